@@ -1,0 +1,36 @@
+# The whole set-up is `make demo` or `make test`; both create/reuse .venv, install pinned
+# dependencies, build the C++ extension (no build isolation: it would fetch a CUDA torch), then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-stamp
+EXT    := $(VENV)/.ext-stamp
+SRC    := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h) setup.py
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: demo test test-fast bench build clean
+
+$(DEPS): requirements.txt requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	touch $@
+
+$(EXT): $(DEPS) $(SRC)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+build: $(EXT)
+
+demo: $(EXT)
+	$(PY) examples/demo.py
+
+test: $(EXT)
+	$(PY) -m pytest -q tests
+
+bench: $(EXT)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf build *.egg-info kernels/*.so $(EXT)

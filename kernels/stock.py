@@ -1,0 +1,80 @@
+"""The "torch" kernel mode: every op as stock PyTorch computes it (F.linear, SDPA, torch.softmax,
+torch.topk, ...), in the input dtype. These are what tonp is measured against; they are correct
+but their reduction order depends on the batch, the thread count and the code path."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x, weight, bias=None, out_dtype=None):
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def rms_norm(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+def attention_varlen(q, k, v, cu_seqlens, scale):
+    """Per-sequence causal SDPA over packed rows. q [T, Hq, D], k/v [T, Hkv, D]."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        if e > s:
+            out[s:e] = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
+    """Gather each sequence's cached K/V and run SDPA for its queries (decode/extend)."""
+    B = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for s in torch.unique(q_seq).tolist():
+        rows = (q_seq == s).nonzero().squeeze(1)
+        pos = q_pos[rows].long()
+        L = int(pos.max()) + 1
+        pages = page_table[s, : (L + B - 1) // B].long()
+        k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)  # (Hkv, L, D)
+        v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
+        mask = torch.arange(L)[None, :] <= pos[:, None]  # (Tq, L)
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+            enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def log_softmax(logits, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def logsumexp(logits, temperature=1.0):
+    return torch.logsumexp(logits.float() / temperature, dim=-1)
+
+
+def token_logprobs(logits, targets, temperature=1.0):
+    return log_softmax(logits, temperature).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def argmax(logits):
+    return torch.argmax(logits, dim=-1)
+
+
+def moe_route(router_logits, top_k, normalize):
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def moe_combine(weights, expert_out):
+    return (weights.to(expert_out.dtype).unsqueeze(-1) * expert_out).sum(1)
