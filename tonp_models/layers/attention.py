@@ -1,0 +1,69 @@
+"""Grouped-query self-attention with QK-norm (Qwen3), over packed sequences or a paged cache.
+
+Per token: q/k/v projections (column-parallel: this rank's heads) -> per-head RMSNorm of q and
+k -> RoPE at the token's position -> attention -> o_proj (row-parallel). Without a cache the
+attention is `tonp_kernels.attention_varlen` over whole packed sequences; with one, the step's K/V
+are written into the pages first and the queries read positions 0..t through
+`tonp_kernels.attention_paged`. Both visit keys in blocks of `block` positions aligned to
+position 0, so a token gets the same bits either way (CONTRACT.md, Attention).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import tonp_kernels as tk
+
+from .linear import ColumnParallelLinear, RowParallelLinear, _divide, _tp_size
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Qwen3 attention of one layer.
+
+    Args:
+        layer_idx: this layer's index (its K/V pages in the cache).
+        hidden_size, num_heads, num_kv_heads, head_dim: global shapes; a TP rank holds
+            num_heads / t query heads and num_kv_heads / t key-value heads.
+        rms_norm_eps, bias, chunks (reduction chunk count C), block (attention block B).
+    """
+
+    def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, *, rms_norm_eps: float, bias: bool = False,
+                 chunks: int = tk.DEFAULT_CHUNKS, block: int = 64, tp_group=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        t = _tp_size(tp_group)
+        self.layer_idx, self.head_dim, self.block = layer_idx, head_dim, block
+        self.local_heads = _divide(num_heads, t, "num_attention_heads")
+        self.local_kv_heads = _divide(num_kv_heads, t, "num_key_value_heads")
+        self.scale = head_dim ** -0.5
+        kw = dict(bias=bias, chunks=chunks, tp_group=tp_group, dtype=dtype)
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, **kw)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, *,
+                cu_seqlens: Optional[torch.Tensor] = None, cache=None, step=None
+                ) -> torch.Tensor:
+        """x [T, H] packed tokens; positions int64 [T]; either cu_seqlens int32 [S+1] (whole
+        sequences) or cache + step (a PagedKVCache and its CacheStep). -> [T, H]."""
+        T, D = x.shape[0], self.head_dim
+        q = self.q_norm(self.q_proj(x).view(T, self.local_heads, D))               # (T, Hq, D)
+        k = self.k_norm(self.k_proj(x).view(T, self.local_kv_heads, D))            # (T, Hkv, D)
+        v = self.v_proj(x).view(T, self.local_kv_heads, D)                         # (T, Hkv, D)
+        q, k = rotary(q, k, positions)
+        if cache is None:
+            o = tk.attention_varlen(q, k, v, cu_seqlens, scale=self.scale, block=self.block)
+        else:
+            cache.write(self.layer_idx, step, k, v)
+            o = tk.attention_paged(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                   cache.page_table, step.q_seq, step.positions,
+                                   scale=self.scale)
+        return self.o_proj(o.reshape(T, self.local_heads * D))                     # (T, H)

@@ -1,0 +1,25 @@
+"""Dense SwiGLU MLP (Qwen3's `mlp_only_layers` / non-sparse layers): down(silu(gate(x)) * up(x))."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import tonp_kernels as tk
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+class DenseMLP(nn.Module):
+    """x [T, H] -> [T, H]. gate/up are column-parallel (I / t local), down is row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *,
+                 chunks: int = tk.DEFAULT_CHUNKS, tp_group=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        kw = dict(chunks=chunks, tp_group=tp_group, dtype=dtype)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(tk.silu_mul(self.gate_proj(x), self.up_proj(x)))

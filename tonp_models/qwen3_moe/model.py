@@ -1,0 +1,264 @@
+"""`Qwen3MoeForCausalLM`: one forward for the training pass and for decoding with a KV cache.
+
+    logits = model(ids, cu_seqlens)                        # packed sequences  -> [T, V] fp32
+    logits = model(ids_BL, attention_mask=mask_BL)         # padded batch      -> [B, L, V] fp32
+    logits = model(ids, cu, cache=c, cache_slots=slots)    # extend cached sequences by new tokens
+    lps = model.token_logprobs([seq0, seq1], temperature=1.0)
+
+Without a cache every sequence is whole (positions 0..n-1) and the forward is differentiable;
+with a cache, sequence i continues slot cache_slots[i] from cache.lengths[slot]. Nothing else
+differs: the same kernels see the same rows, so a token's logits are the same bits either way.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+import tonp_kernels as tk
+
+from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
+                      RotaryEmbedding, SparseMoeBlock)
+from .config import Qwen3MoeConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H]."""
+
+    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, dtype: torch.dtype, groups):
+        super().__init__()
+        c, tp, ep = config, _group(groups, "tp_group"), _group(groups, "ep_group")
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(layer_idx, c.hidden_size, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                                   bias=c.attention_bias, chunks=c.reduction_chunks,
+                                   block=c.attention_block, tp_group=tp, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if c.is_sparse_layer(layer_idx):
+            self.mlp = SparseMoeBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts,
+                                      c.num_experts_per_tok, c.norm_topk_prob,
+                                      chunks=c.reduction_chunks, ep_group=ep, dtype=dtype)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, chunks=c.reduction_chunks,
+                                tp_group=tp, dtype=dtype)
+
+    def forward(self, x, positions, rotary, **attn_kw):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, **attn_kw)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _group(groups, name):
+    return None if groups is None else getattr(groups, name, None)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """The Qwen3-MoE causal LM (transformers' architecture and numerics, tonp's kernels).
+
+    Args:
+        config: a Qwen3MoeConfig.
+        dtype: parameter and activation dtype (float32 or bfloat16); logits are always fp32.
+        groups: a tonp_parallel.ParallelGroups (or anything with tp_group / ep_group), or None.
+    Weights are initialised from torch's global RNG (normal(0, initializer_range), norms 1), so
+    `torch.manual_seed(s)` before construction fixes them.
+    """
+
+    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype = torch.float32, groups=None):
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
+        config.validate()
+        self.config, self.dtype, self.groups = config, dtype, groups
+        c = config
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = LMHead(c.vocab_size, c.hidden_size, chunks=c.reduction_chunks,
+                              tied=self.embed_tokens if c.tie_word_embeddings else None,
+                              dtype=dtype)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, self.config.initializer_range)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
+                attention_mask: Optional[torch.Tensor] = None, cache: Optional[PagedKVCache] = None,
+                cache_slots: Optional[Sequence[int]] = None,
+                logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits (fp32) of packed or padded sequences, optionally extending a paged KV cache.
+
+        Args:
+            input_ids: int64 [T] packed (with cu_seqlens int [S+1]; None = one sequence), or
+                [B, L] padded (with attention_mask [B, L], 1 = token; each row's tokens, in order,
+                are one sequence; padding is dropped before any kernel).
+            cache, cache_slots: extend sequence i of the batch in cache slot cache_slots[i]
+                from position cache.lengths[slot]; the cache is committed at the end.
+            logits_rows: int64 [R] packed row indices: only those rows get logits.
+        Returns: fp32 [T, V] (packed), [R, V] (logits_rows), or [B, L, V] (padded, pads 0).
+        """
+        if input_ids.dim() == 2:
+            if cu_seqlens is not None or logits_rows is not None:
+                raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
+                                 "attention_mask, not cu_seqlens/logits_rows")
+            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
+                else attention_mask.bool()
+            if mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            counts = mask.sum(1)
+            cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(counts, 0)
+            packed = self.forward(input_ids[mask], cu, cache=cache, cache_slots=cache_slots)
+            out = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+            out[mask] = packed
+            return out
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [T] (packed) or [B, L] (padded), got "
+                             f"{tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is for padded [B, L] input_ids; packed input takes "
+                             "cu_seqlens")
+        ids = input_ids.long()
+        T = ids.shape[0]
+        cu = torch.tensor([0, T], dtype=torch.int32) if cu_seqlens is None \
+            else cu_seqlens.to(torch.int32)
+        counts = (cu[1:] - cu[:-1]).tolist()
+        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != T or min(counts, default=0) < 0:
+            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {cu.tolist()}")
+        self._check_ids(ids)
+        attn_kw, step = self._positions(cu, counts, cache, cache_slots)
+        positions = attn_kw.pop("positions")
+
+        h = self.embed_tokens(ids)                                                 # (T, H)
+        for layer in self.layers:
+            h = layer(h, positions, self.rotary, **attn_kw)
+        if cache is not None:
+            cache.commit(step)
+        if logits_rows is not None:
+            h = h.index_select(0, logits_rows.long())                              # (R, H)
+        return self.lm_head(self.norm(h))                                          # (T|R, V)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        V = self.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            bad = ids[(ids < 0) | (ids >= V)].unique()[:8].tolist()
+            raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
+                             f"range [0, {V})")
+
+    def _positions(self, cu, counts, cache, cache_slots):
+        """Positions of the packed rows (and the cache step): 0..n-1 per sequence without a
+        cache, cache.lengths[slot]... with one. Checks the position limit before allocating."""
+        limit = self.config.max_position_embeddings
+        if cache is None:
+            if cache_slots is not None:
+                raise ValueError("cache_slots given without a cache")
+            if max(counts, default=0) > limit:
+                raise ValueError(f"a sequence of {max(counts)} tokens exceeds "
+                                 f"max_position_embeddings={limit}")
+            T = int(cu[-1])
+            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts), output_size=T)
+            return dict(positions=torch.arange(T) - starts, cu_seqlens=cu), None
+        slots = list(range(len(counts))) if cache_slots is None else [int(s) for s in cache_slots]
+        if len(slots) != len(counts):
+            raise ValueError(f"{len(counts)} sequences but {len(slots)} cache_slots")
+        for s, n in zip(slots, counts):
+            if cache.lengths[s] + n > limit:
+                raise ValueError(f"cache slot {s} would reach {cache.lengths[s] + n} positions, "
+                                 f"over max_position_embeddings={limit}")
+        step = cache.prepare(slots, counts)
+        return dict(positions=step.positions, cache=cache, step=step), step
+
+    # -- cache and scoring ------------------------------------------------------------------------
+    def new_cache(self, max_seqs: int, max_seq_len: int, num_pages: Optional[int] = None
+                  ) -> PagedKVCache:
+        """A PagedKVCache for this model (page = attention block; this rank's KV heads; the
+        model's dtype). num_pages defaults to enough for every slot at max_seq_len."""
+        c = self.config
+        if max_seq_len > c.max_position_embeddings:
+            raise ValueError(f"new_cache: max_seq_len={max_seq_len} exceeds "
+                             f"max_position_embeddings={c.max_position_embeddings}")
+        B = c.attention_block
+        if num_pages is None:
+            num_pages = max_seqs * -(-max_seq_len // B)
+        attn = self.layers[0].self_attn
+        return PagedKVCache(c.num_hidden_layers, attn.local_kv_heads, c.head_dim, page_size=B,
+                            num_pages=num_pages, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                            dtype=self.dtype, device=self.embed_tokens.weight.device)
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], temperature: float = 1.0, *,
+                       micro_batch_size: Optional[int] = None, packed: bool = True
+                       ) -> List[torch.Tensor]:
+        """Per-token log-probabilities by the training forward.
+
+        sequences: 1-D int64 tensors (ragged). Returns fp32 tensors, out[i][j] =
+        log p(seq_i[j+1] | seq_i[:j+1]) under log_softmax(logits / temperature), len(seq_i) - 1
+        each. Sequences are scored micro_batch_size at a time (None = all at once), packed
+        (cu_seqlens) or padded (attention_mask). Differentiable when grad is enabled.
+        """
+        if temperature <= 0:
+            raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+        seqs = [torch.as_tensor(s).long().reshape(-1) for s in sequences]
+        mb = micro_batch_size or max(len(seqs), 1)
+        if mb < 1:
+            raise ValueError(f"token_logprobs: micro_batch_size must be >= 1, got {mb}")
+        out: List[torch.Tensor] = []
+        for i in range(0, len(seqs), mb):
+            out.extend(self._score(seqs[i:i + mb], temperature, packed))
+        return out
+
+    def _score(self, seqs, temperature, packed):
+        lens = [len(s) for s in seqs]
+        targets = torch.cat([s[1:] for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+        if packed:
+            cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+            # Only rows that predict a token go through the final norm and LM head.
+            rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]) - 1)
+                              for i in range(len(seqs))]) if seqs else targets
+            logits = self.forward(torch.cat(seqs), cu, logits_rows=rows)           # (R, V)
+        else:
+            L = max(lens)
+            ids = torch.zeros(len(seqs), L, dtype=torch.long)
+            mask = torch.zeros(len(seqs), L, dtype=torch.bool)
+            for i, s in enumerate(seqs):
+                ids[i, :len(s)], mask[i, :len(s)] = s, True
+            pred = mask.clone()
+            pred[torch.arange(len(seqs)), torch.tensor(lens) - 1] = False
+            logits = self.forward(ids, attention_mask=mask)[pred]                  # (R, V)
+        lp = tk.token_logprobs(logits, targets, temperature=temperature)
+        return list(lp.split([n - 1 for n in lens]))
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, dtype: Optional[torch.dtype] = None, groups=None
+                        ) -> "Qwen3MoeForCausalLM":
+        """Load an HF checkpoint dir (config.json + safetensors, hub or fused-expert layout).
+        dtype None = the config's dtype when it is float32/bfloat16, else float32."""
+        from .checkpoint import load_checkpoint
+        config = Qwen3MoeConfig.from_hf(path)
+        if dtype is None:
+            dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16) \
+                else torch.float32
+        with torch.device("meta"):
+            model = cls(config, dtype=dtype, groups=groups)
+        model.to_empty(device="cpu")
+        model.rotary.reset_tables()
+        load_checkpoint(model, path)
+        return model
+
+    def save_pretrained(self, path, max_shard_size: int = 5 * 2**30) -> None:
+        """Write config.json and safetensors in the hub layout (sharded with an index when
+        larger than max_shard_size bytes); transformers' from_pretrained reads it."""
+        from .checkpoint import save_checkpoint
+        save_checkpoint(self, path, max_shard_size=max_shard_size)
