@@ -1,0 +1,207 @@
+"""tonp_kernels.linear: a row's output depends only on the row and the weight (CONTRACT.md).
+
+Invariances (bitwise): any batch size / offset / order, 1 vs 2 threads, TP splits 1-8 through
+linear_partial + tree_sum, non-contiguous inputs. Stock F.linear breaks the batch invariance
+(twin test). Accuracy against the fp32 and float64 references, gradients against the
+reference's autograd, clear errors on bad input, torch.compile through torch.ops.tonp.linear.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tonp_kernels as tk
+from tonp_kernels import reference
+from conftest import (DTYPES, ROW_COUNTS, assert_bitwise, assert_close, check_row_invariance,
+                      check_thread_invariance, randn, rows_differ_somewhere)
+
+# (K, N): small reductions for speed; an odd N (tails of the output tile); K=2048 where it
+# matters (the model's hidden size, where MKL's M-dependence was measured).
+SHAPES = ((256, 64), (512, 37))
+
+
+def _weights(K, N, dtype, gen, bias=False):
+    w = randn(N, K, dtype=dtype, gen=gen, scale=K ** -0.5)
+    b = randn(N, dtype=dtype, gen=gen) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("M", ROW_COUNTS)
+def test_row_does_not_depend_on_its_batch(M, K, N, dtype, gen):
+    w, b = _weights(K, N, dtype, gen, bias=(N % 2 == 1))
+    check_row_invariance(lambda x: tk.linear(x, w, b), lambda n: [randn(n, K, dtype=dtype, gen=gen)],
+                         M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
+    K, N = 2048, 48
+    w, _ = _weights(K, N, dtype, gen)
+    for M in (1, 5, 64, 129):
+        check_row_invariance(lambda x: tk.linear(x, w, out_dtype=torch.float32),
+                             lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
+
+
+def test_stock_torch_linear_depends_on_the_batch(torch_mode, gen):
+    """The twin: F.linear(x[:m]) != F.linear(x)[:m] for some m in fp32 (MKL picks its algorithm
+    by M), so the invariance tests above can fail."""
+    K, N = 2048, 256
+    w, _ = _weights(K, N, torch.float32, gen)
+    assert rows_differ_somewhere(lambda x: tk.linear(x, w),
+                                 lambda n: [randn(n, K, gen=gen)], (16, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_does_not_change_bits(dtype, gen):
+    K, N, M = 512, 96, 203
+    w, b = _weights(K, N, dtype, gen, bias=True)
+    x = randn(M, K, dtype=dtype, gen=gen)
+    check_thread_invariance(lambda x: tk.linear(x, w, b), x, what=f"linear {dtype} M={M}")
+    check_thread_invariance(lambda x: tk.linear(x, w, b), x[:1], what=f"linear {dtype} M=1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", (512, 2048))
+def test_tp_subtree_partials_finish_to_the_same_bits(K, dtype, gen):
+    """A TP-t row-parallel rank holds K/t columns = C/t chunks; its fp32 subtree partials,
+    finished by tree_sum in rank order, equal the one-call kernel for t = 1, 2, 4, 8."""
+    C, N = 8, 40
+    w, b = _weights(K, N, dtype, gen, bias=True)
+    x = randn(33, K, dtype=dtype, gen=gen)
+    whole32 = tk.linear(x, w, chunks=C, out_dtype=torch.float32)
+    whole = tk.linear(x, w, chunks=C)
+    whole_b32 = tk.linear(x, w, b, chunks=C, out_dtype=torch.float32)
+    for t in (1, 2, 4, 8):
+        cols = K // t
+        parts = [tk.linear_partial(x[:, r * cols:(r + 1) * cols], w[:, r * cols:(r + 1) * cols],
+                                   chunks=C // t) for r in range(t)]
+        assert all(p.dtype == torch.float32 for p in parts)
+        summed = tk.tree_sum(parts)
+        assert_bitwise(summed, whole32, f"TP={t} subtree partials vs one call (K={K}, {dtype})")
+        assert_bitwise(summed.to(dtype), whole, f"TP={t} rounded once vs one call ({dtype})")
+        # A row-parallel layer adds its bias after the reduction, in fp32.
+        assert_bitwise(summed + b.float(), whole_b32, f"TP={t} + bias vs one call with bias")
+        assert_bitwise(tk.tree_sum(torch.stack(parts)), summed, "tree_sum of a stacked tensor")
+
+
+def test_chunks_one_is_a_single_sequential_chain(gen):
+    """chunks=1 is a valid tree (one chunk); it must still be row-invariant."""
+    K, N = 96, 24
+    w, _ = _weights(K, N, torch.float32, gen)
+    check_row_invariance(lambda x: tk.linear(x, w, chunks=1), lambda n: [randn(n, K, gen=gen)], 37)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs_give_the_bits_of_contiguous_copies(dtype, gen):
+    K, N, M = 256, 48, 29
+    w, b = _weights(K, N, dtype, gen, bias=True)
+    expected_x = randn(M, K, dtype=dtype, gen=gen)
+    transposed = expected_x.t().contiguous().t()          # column-major view
+    strided = torch.stack([expected_x, expected_x], -1)[..., 0]  # stride 2 along K
+    row_strided = torch.cat([expected_x, expected_x], 1)[:, :K]  # rows 2K apart
+    ref = tk.linear(expected_x, w, b)
+    for name, x in (("transposed", transposed), ("strided", strided), ("row-strided", row_strided)):
+        assert not x.is_contiguous()
+        assert_bitwise(tk.linear(x, w, b), ref, f"{name} x")
+    w_t = w.t().contiguous().t()
+    assert_bitwise(tk.linear(expected_x, w_t, b), ref, "column-major weight")
+    b_s = torch.stack([b, b], -1)[:, 0]
+    assert_bitwise(tk.linear(expected_x, w, b_s), ref, "strided bias")
+
+
+def test_leading_dims_and_empty_batch(gen):
+    K, N = 64, 16
+    w, b = _weights(K, N, torch.float32, gen, bias=True)
+    x = randn(2, 5, K, gen=gen)
+    y = tk.linear(x, w, b)
+    assert y.shape == (2, 5, N)
+    assert_bitwise(y.reshape(10, N), tk.linear(x.reshape(10, K), w, b), "[2, 5, K] vs [10, K]")
+    for dtype in DTYPES:
+        empty = tk.linear(torch.empty(0, K, dtype=dtype), w.to(dtype), b.to(dtype))
+        assert empty.shape == (0, N) and empty.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", (256, 2048))
+def test_accuracy_against_the_references(K, dtype, gen):
+    N, M = 56, 17
+    w, b = _weights(K, N, dtype, gen, bias=True)
+    x = randn(M, K, dtype=dtype, gen=gen)
+    y = tk.linear(x, w, b)
+    assert y.dtype == dtype
+    assert_close(y, reference.linear(x, w, b), dtype=dtype, what=f"linear vs fp32 reference")
+    # float64 oracle: the fp32 chunked chain errs at most ~ (K/C + log C) eps sum|x w|.
+    y64 = reference.linear(x.double(), w.double(), b.double())
+    bound = (x.double().abs() @ w.double().abs().t() + b.double().abs())
+    rel = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one output rounding
+    y32 = tk.linear(x, w, b, out_dtype=torch.float32)
+    assert bool(((y32.double() - y64).abs() <= 1e-5 * bound + 1e-7).all()), \
+        f"fp32 accumulation off the float64 oracle: {float((y32.double() - y64).abs().max()):.2e}"
+    assert bool(((y.double() - y64).abs() <= rel * bound + 1e-6).all()), \
+        f"{dtype} output off the float64 oracle by {float((y.double() - y64).abs().max()):.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_match_reference_autograd(dtype, gen):
+    K, N, M = 128, 24, 9
+    w0, b0 = _weights(K, N, dtype, gen, bias=True)
+    x0 = randn(M, K, dtype=dtype, gen=gen)
+    g = randn(M, N, dtype=dtype, gen=gen)
+
+    def grads(fn):
+        x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
+        fn(x, w, b).backward(g)
+        return x.grad, w.grad, b.grad
+
+    got, want = grads(tk.linear), grads(reference.linear)
+    for name, a, e in zip(("x", "weight", "bias"), got, want):
+        assert a.dtype == e.dtype == dtype
+        assert_close(a, e, dtype=dtype, scale=float(e.abs().max()), what=f"d{name}")
+
+
+def test_bad_inputs_raise_clear_errors(gen):
+    w = randn(16, 100, gen=gen)
+    with pytest.raises(ValueError, match="divisible"):
+        tk.linear(randn(3, 100, gen=gen), w)          # K=100, C=8
+    with pytest.raises(ValueError, match="power of two"):
+        tk.linear(randn(3, 96, gen=gen), randn(16, 96, gen=gen), chunks=3)
+    with pytest.raises(ValueError, match="match"):
+        tk.linear(randn(3, 64, gen=gen), randn(16, 96, gen=gen))
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="(?i)dtype|bfloat16|float32"):
+        tk.linear(randn(3, 64, gen=gen), randn(16, 64, gen=gen, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        tk.linear(torch.ones(3, 64, dtype=torch.float16), torch.ones(16, 64, dtype=torch.float16))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        tk.linear(torch.ones(3, 64, dtype=torch.int32), torch.ones(16, 64))
+    with pytest.raises(RuntimeError, match="CPU"):
+        tk.linear(torch.empty(3, 64, device="meta"), torch.empty(16, 64, device="meta"))
+    with pytest.raises((ValueError, RuntimeError), match="(?i)bias"):
+        tk.linear(randn(3, 64, gen=gen), randn(16, 64, gen=gen), randn(15, gen=gen))
+    with pytest.raises(ValueError, match="power-of-two"):
+        tk.tree_sum([torch.zeros(2)] * 3)
+
+
+def test_torch_compile_through_the_op(gen):
+    """torch.ops.tonp.linear traces under torch.compile (fake impl + autograd registration)."""
+    K, N = 64, 16
+    w = randn(N, K, gen=gen)
+
+    def f(x, w):
+        return torch.relu(torch.ops.tonp.linear(x, w, None, 8, None)) * 2.0
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = randn(7, K, gen=gen).requires_grad_(True)
+    out = compiled(x, w)
+    assert_bitwise(out, f(x, w), "compiled vs eager")
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    via_api = torch.compile(lambda x: tk.linear(x, w) + 1, backend="aot_eager")
+    assert_bitwise(via_api(x.detach()), tk.linear(x.detach(), w) + 1, "compiled tk.linear")
+
+
+def test_stock_mode_matches_f_linear(torch_mode, gen):
+    x, w = randn(5, 32, gen=gen), randn(8, 32, gen=gen)
+    assert_bitwise(tk.linear(x, w), F.linear(x, w), "torch mode is F.linear")

@@ -1,0 +1,320 @@
+"""tonp's row-wise ops and the torch elementwise ops the model leans on.
+
+rms_norm, silu_mul, moe_route and moe_combine: row invariance (any batch, order, thread count),
+accuracy and gradients against the reference, ties in the router, odd layouts, errors.
+The elementwise torch ops of the model (RoPE's mul/add/cat, residual adds) are checked to be
+row-invariant as they stand; stock F.silu is not (its vector and scalar tails round
+differently: the twin). The mode switch, and the AVX2 path against the portable scalar path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tonp_kernels as tk
+from tonp_kernels import reference
+from conftest import (DTYPES, ROW_COUNTS, assert_bitwise, assert_close, check_row_invariance,
+                      check_thread_invariance, env, randn, rows_differ_somewhere)
+
+H_SIZES = (64, 40, 2048)  # a head_dim (QK-norm), an odd width with a vector tail, hidden size
+
+
+# --- rms_norm ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROW_COUNTS)
+def test_rms_norm_rows_do_not_depend_on_their_batch(M, dtype, gen):
+    for H in H_SIZES:
+        w = 1 + randn(H, dtype=dtype, gen=gen, scale=0.1)
+        check_row_invariance(lambda x: tk.rms_norm(x, w, 1e-6),
+                             lambda n: [randn(n, H, dtype=dtype, gen=gen, scale=3.0)], M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_accuracy_gradients_and_layouts(dtype, gen):
+    H = 128
+    w = 1 + randn(H, dtype=dtype, gen=gen, scale=0.1)
+    x = randn(21, H, dtype=dtype, gen=gen, scale=3.0)
+    y = tk.rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, reference.rms_norm(x, w, 1e-6), dtype=dtype, what="rms_norm vs reference")
+    # QK-norm: per-head norm of a [T, heads, D] view of a fused projection.
+    qkv = randn(9, 6, H, dtype=dtype, gen=gen)
+    q = qkv[:, :4]
+    assert not q.is_contiguous()
+    assert_bitwise(tk.rms_norm(q, w, 1e-6), tk.rms_norm(q.contiguous(), w, 1e-6), "view input")
+    assert_bitwise(tk.rms_norm(q.contiguous(), w, 1e-6).reshape(-1, H),
+                   tk.rms_norm(q.reshape(-1, H), w, 1e-6), "[T, heads, D] vs rows")
+    assert tk.rms_norm(x[:0], w, 1e-6).shape == (0, H)
+    check_thread_invariance(lambda x: tk.rms_norm(x, w, 1e-6), x, what="rms_norm")
+    grads = []
+    for fn in (tk.rms_norm, reference.rms_norm):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        fn(xi, wi, 1e-6).backward(torch.ones_like(y))
+        grads.append((xi.grad, wi.grad))
+    for name, a, e in zip(("x", "weight"), *grads):
+        assert_close(a, e, dtype=dtype, scale=float(e.abs().max()), what=f"rms_norm d{name}")
+
+
+# --- silu_mul ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROW_COUNTS)
+def test_silu_mul_rows_do_not_depend_on_their_batch(M, dtype, gen):
+    for H in (37, 768):
+        check_row_invariance(tk.silu_mul, lambda n: [randn(n, H, dtype=dtype, gen=gen, scale=4.0),
+                                                     randn(n, H, dtype=dtype, gen=gen)], M)
+
+
+def test_stock_silu_depends_on_the_batch(torch_mode, gen):
+    """The twin: F.silu's vector body and scalar tail round differently, so with a width that
+    is not a multiple of the vector a row alone differs from the same row in a batch."""
+    assert rows_differ_somewhere(tk.silu_mul, lambda n: [randn(n, 37, gen=gen, scale=4.0),
+                                                         randn(n, 37, gen=gen)], (50,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_accuracy_gradients_and_layouts(dtype, gen):
+    # gate and up as the two halves of a fused gate_up projection (non-contiguous views).
+    gate_up = randn(33, 2 * 96, dtype=dtype, gen=gen, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = tk.silu_mul(gate, up)
+    assert y.dtype == dtype and y.shape == gate.shape
+    assert_bitwise(y, tk.silu_mul(gate.contiguous(), up.contiguous()), "fused-projection views")
+    assert_close(y, reference.silu_mul(gate, up), dtype=dtype, scale=4.0, what="silu_mul")
+    assert tk.silu_mul(gate[:0], up[:0]).shape == (0, 96)
+    check_thread_invariance(tk.silu_mul, gate.contiguous(), up.contiguous(), what="silu_mul")
+    grads = []
+    for fn in (tk.silu_mul, reference.silu_mul):
+        g, u = gate.detach().clone().requires_grad_(True), up.detach().clone().requires_grad_(True)
+        fn(g, u).backward(torch.ones_like(y))
+        grads.append((g.grad, u.grad))
+    for name, a, e in zip(("gate", "up"), *grads):
+        assert_close(a, e, dtype=dtype, scale=float(e.abs().max()), what=f"silu_mul d{name}")
+
+
+# --- moe_route --------------------------------------------------------------------------------
+ROUTES = ((128, 8, True), (64, 4, False))  # (experts, top_k, normalize): Qwen3-30B-A3B first
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROW_COUNTS)
+def test_moe_route_rows_do_not_depend_on_their_batch(M, dtype, gen):
+    for E, k, norm in ROUTES:
+        check_row_invariance(lambda x: tk.moe_route(x, k, norm),
+                             lambda n: [randn(n, E, dtype=dtype, gen=gen, scale=2.0)], M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_route_matches_the_reference(dtype, gen):
+    for E, k, norm in ROUTES:
+        x = randn(50, E, dtype=dtype, gen=gen, scale=2.0)
+        ids, w = tk.moe_route(x, k, norm)
+        assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (50, k)
+        ref_ids, ref_w = reference.moe_route(x, k, norm)
+        assert_bitwise(ids, ref_ids, f"expert ids E={E} k={k}")
+        assert_close(w, ref_w, dtype=torch.float32, what=f"weights E={E} k={k}")
+        if norm:
+            assert_close(w.sum(-1), torch.ones(50), dtype=torch.float32, what="renormalised")
+        assert bool((w[:, :-1] >= w[:, 1:]).all()), "slots are in descending weight order"
+
+
+def test_moe_route_ties_go_to_the_lower_expert_id(gen):
+    # Few distinct values: most rows have ties across the top-k boundary and inside it.
+    x = torch.randint(0, 3, (200, 16), generator=gen).float()
+    x[0] = 1.0                                            # all tied -> experts 0..k-1
+    ids, w = tk.moe_route(x, 4, True)
+    want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :4]
+    assert_bitwise(ids, want, "stable top-k")
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    check_thread_invariance(lambda x: tk.moe_route(x, 4, True), x, what="moe_route")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_route_gradients_and_layouts(dtype, gen):
+    x0 = randn(12, 32, dtype=dtype, gen=gen, scale=2.0)
+    g = torch.randn(12, 4, generator=gen)
+    grads = []
+    for fn in (tk.moe_route, reference.moe_route):
+        x = x0.clone().requires_grad_(True)
+        fn(x, 4, True)[1].backward(g)
+        grads.append(x.grad)
+    assert_close(grads[0], grads[1], dtype=dtype, scale=float(grads[1].abs().max()),
+                 what="moe_route d logits")
+    fused = randn(12, 40, dtype=dtype, gen=gen)[:, 8:]    # a view with a row stride of 40
+    assert_bitwise(tk.moe_route(fused, 4, True), tk.moe_route(fused.contiguous(), 4, True),
+                   "strided router logits")
+    ids, w = tk.moe_route(x0[:0], 4, True)
+    assert ids.shape == (0, 4) and w.shape == (0, 4)
+
+
+# --- moe_combine ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROW_COUNTS)
+def test_moe_combine_rows_do_not_depend_on_their_batch(M, dtype, gen):
+    H, K = 72, 8
+
+    def make(n):
+        return [torch.softmax(torch.randn(n, K, generator=gen), -1),
+                randn(n, K, H, dtype=dtype, gen=gen)]
+
+    check_row_invariance(tk.moe_combine, make, M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_combine_accuracy_gradients_and_layouts(dtype, gen):
+    M, K, H = 19, 8, 64
+    w0 = torch.softmax(torch.randn(M, K, generator=gen), -1)
+    y0 = randn(M, K, H, dtype=dtype, gen=gen)
+    out = tk.moe_combine(w0, y0)
+    assert out.dtype == dtype and out.shape == (M, H)
+    assert_close(out, reference.moe_combine(w0, y0), dtype=dtype, what="moe_combine")
+    exact = (w0.double().unsqueeze(-1) * y0.double()).sum(1)
+    err = float((tk.moe_combine(w0, y0).double() - exact).abs().max())
+    assert err < (1e-6 if dtype == torch.float32 else 2e-2), f"off float64 by {err:.2e}"
+    y_view = y0.transpose(0, 1).contiguous().transpose(0, 1)   # slot-major memory
+    assert_bitwise(tk.moe_combine(w0, y_view), out, "slot-major expert_out")
+    assert_bitwise(tk.moe_combine(w0.t().contiguous().t(), y0), out, "column-major weights")
+    assert tk.moe_combine(w0[:0], y0[:0]).shape == (0, H)
+    check_thread_invariance(tk.moe_combine, w0, y0, what="moe_combine")
+    g = randn(M, H, dtype=dtype, gen=gen)
+    grads = []
+    for fn in (tk.moe_combine, reference.moe_combine):
+        w, y = w0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
+        fn(w, y).backward(g)
+        grads.append((w.grad, y.grad))
+    for name, a, e in zip(("weights", "expert_out"), *grads):
+        assert_close(a, e, dtype=dtype, scale=float(e.abs().max()), what=f"moe_combine d{name}")
+
+
+# --- the elementwise torch ops of the model ---------------------------------------------------
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_tables(positions, D, theta=1e6):
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", (64, 128))
+def test_rope_and_residual_adds_are_row_invariant(D, dtype, gen):
+    """HF-style RoPE (x*cos + rotate_half(x)*sin, tables cast to the activation dtype) and the
+    residual adds are elementwise torch ops: rows must not depend on the batch, whether the
+    cos/sin tables are computed for the batch's positions or gathered from a full table."""
+    table_cos, table_sin = _rope_tables(torch.arange(4096), D)
+
+    def rope_on_the_fly(x, pos):
+        cos, sin = (t.to(x.dtype)[:, None, :] for t in _rope_tables(pos, D))
+        return x * cos + _rotate_half(x) * sin
+
+    def rope_gathered(x, pos):
+        cos, sin = (t[pos].to(x.dtype)[:, None, :] for t in (table_cos, table_sin))
+        return x * cos + _rotate_half(x) * sin
+
+    def make(n):
+        return [randn(n, 4, D, dtype=dtype, gen=gen), torch.randint(0, 4096, (n,), generator=gen)]
+
+    for M in (1, 7, 130):
+        check_row_invariance(rope_on_the_fly, make, M)
+        check_row_invariance(rope_gathered, make, M)
+        check_row_invariance(lambda x, r: x + r, lambda n: [randn(n, 40, dtype=dtype, gen=gen),
+                                                             randn(n, 40, dtype=dtype, gen=gen)], M)
+    check_thread_invariance(rope_on_the_fly, *make(300), what="rope")
+
+
+# --- the mode switch ----------------------------------------------------------------------------
+def test_mode_switch(gen):
+    assert tk.get_mode() == "invariant"
+    x, w = randn(4, 16, gen=gen, scale=4.0), randn(16, gen=gen)
+    with tk.use("torch"):
+        assert tk.get_mode() == "torch"
+        assert_bitwise(tk.silu_mul(x, x), F.silu(x) * x, "torch mode is stock")
+        with tk.use("invariant"):
+            assert tk.get_mode() == "invariant"
+        assert tk.get_mode() == "torch"
+    assert tk.get_mode() == "invariant"
+    tk.use("torch")                      # the global setter
+    try:
+        assert tk.get_mode() == "torch"
+    finally:
+        tk.use("invariant")
+    assert tk.get_mode() == "invariant"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tk.use("fast")
+
+
+def test_bad_inputs_raise_clear_errors(gen):
+    x = randn(3, 16, gen=gen)
+    with pytest.raises(ValueError, match="does not match"):
+        tk.rms_norm(x, torch.ones(15), 1e-6)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        tk.rms_norm(x.half(), torch.ones(16).half(), 1e-6)
+    with pytest.raises(RuntimeError, match="CPU"):
+        tk.rms_norm(x.to("meta"), torch.ones(16, device="meta"), 1e-6)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="(?i)dtype|bfloat16|float32"):
+        tk.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="must match"):
+        tk.silu_mul(x, x[:, :8])
+    with pytest.raises(ValueError, match="must match"):
+        tk.silu_mul(x, x.bfloat16())
+    with pytest.raises(RuntimeError, match="CPU"):
+        tk.silu_mul(x.to("meta"), x.to("meta"))
+    with pytest.raises(ValueError, match="top_k"):
+        tk.moe_route(x, 17, True)
+    with pytest.raises(ValueError, match="top_k"):
+        tk.moe_route(x, 0, True)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        tk.moe_route(torch.ones(3, 16, dtype=torch.int64), 2, True)
+    with pytest.raises(RuntimeError, match="CPU"):
+        tk.moe_route(x.to("meta"), 2, True)
+    with pytest.raises(ValueError, match="weights"):
+        tk.moe_combine(torch.ones(3, 4), torch.ones(3, 2, 16))
+    with pytest.raises(RuntimeError, match="CPU"):
+        tk.moe_combine(torch.ones(3, 2), torch.ones(3, 2, 16, device="meta"))
+
+
+# --- the AVX2 path against the portable scalar path ----------------------------------------------
+def _portable_switch_exists() -> bool:
+    csrc = Path(tk.__file__).parent / "csrc"
+    if not csrc.is_dir():
+        return True  # an installed build: trust the switch
+    return any("TONP_FORCE_PORTABLE" in p.read_text(errors="ignore")
+               for p in csrc.iterdir() if p.suffix in (".cpp", ".h", ".hpp", ".cc"))
+
+
+def _every_op(dtype, gen):
+    """Each kernel on inputs with vector tails (odd widths, odd lengths); returns the outputs."""
+    x = randn(37, 256, dtype=dtype, gen=gen)
+    w = randn(45, 256, dtype=dtype, gen=gen, scale=1 / 16)
+    q, k, v = (randn(53, h, 64, dtype=dtype, gen=gen) for h in (8, 2, 2))
+    cu = torch.tensor([0, 20, 53])
+    kc, vc = k[:48].reshape(3, 16, 2, 64), v[:48].reshape(3, 16, 2, 64)
+    pt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    ids = torch.arange(37)
+    return [tk.linear(x, w), tk.linear_partial(x[:, :128], w[:, :128], chunks=4),
+            tk.rms_norm(x[:, :40], x[0, :40], 1e-6), tk.silu_mul(x[:, :37], x[:, 37:74]),
+            tk.attention_varlen(q, k, v, cu, scale=0.125, block=16),
+            tk.attention_paged(q[:48], kc, vc, pt, torch.zeros(48, dtype=torch.int32),
+                               torch.arange(48), scale=0.125),
+            *tk.lse_partial(x, chunks=8), *tk.max_with_index(x),
+            tk.sample(x, temperature=0.8, seed=5, request_ids=ids, positions=ids, top_p=0.9),
+            *tk.moe_route(x[:, :64], 8, True),
+            tk.moe_combine(torch.softmax(x[:, :8].float(), -1), x[:, :8 * 24].reshape(37, 8, 24))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx2_and_portable_paths_give_the_same_bits(dtype):
+    if not _portable_switch_exists():
+        pytest.xfail("TONP_FORCE_PORTABLE is not implemented in kernels/csrc yet")
+    with env("TONP_FORCE_PORTABLE", None):
+        fast = _every_op(dtype, torch.Generator().manual_seed(5))
+    with env("TONP_FORCE_PORTABLE", "1"):
+        portable = _every_op(dtype, torch.Generator().manual_seed(5))
+    for i, (a, b) in enumerate(zip(fast, portable)):
+        assert_bitwise(b, a, f"op #{i} ({dtype}) portable vs AVX2")
