@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _mode, stock
-from ._library import C  # noqa: F401  (loads the extension and registers fake/autograd impls)
+from ._library import require_built
 
 DEFAULT_CHUNKS = 8
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -25,6 +25,7 @@ def _invariant() -> bool:
 
 
 def _check_float(name: str, *tensors: torch.Tensor) -> None:
+    require_built()
     for t in tensors:
         if t.dtype not in _FLOATS:
             raise TypeError(f"tonp.{name}: expected float32 or bfloat16, got {t.dtype}")

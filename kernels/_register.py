@@ -1,0 +1,144 @@
+"""Fake (meta) and autograd registrations for torch.ops.tonp.* (imported once the extension
+is loaded): forward = the invariant kernel, backward = autograd of `reference` (standard torch math
+in fp32; gradients need to be correct, not invariant)."""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+_lib = "tonp::"
+
+
+# --- fake implementations: shapes and dtypes only, for torch.compile / meta tensors ----------
+@torch.library.register_fake(_lib + "linear")
+def _(x, weight, bias, chunks, out_dtype):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+
+
+@torch.library.register_fake(_lib + "rms_norm")
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(_lib + "silu_mul")
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.register_fake(_lib + "attention_varlen")
+def _(q, k, v, cu_seqlens, scale, block):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake(_lib + "attention_paged")
+def _(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake(_lib + "lse_partial")
+def _(logits, temperature, chunks):
+    m = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    return m, torch.empty_like(m)
+
+
+@torch.library.register_fake(_lib + "lse_finish")
+def _(maxes, sums):
+    return maxes.new_empty(maxes.shape[1:])
+
+
+@torch.library.register_fake(_lib + "max_with_index")
+def _(logits):
+    v = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    return v, logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+
+
+@torch.library.register_fake(_lib + "sample")
+def _(logits, temperature, top_k, top_p, seed, request_ids, positions):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+
+
+@torch.library.register_fake(_lib + "moe_route")
+def _(logits, top_k, normalize):
+    shape = (logits.shape[0], top_k)
+    return (logits.new_empty(shape, dtype=torch.int64),
+            logits.new_empty(shape, dtype=torch.float32))
+
+
+@torch.library.register_fake(_lib + "moe_combine")
+def _(weights, expert_out):
+    return expert_out.new_empty((expert_out.shape[0], expert_out.shape[2]))
+
+
+# --- autograd -----------------------------------------------------------------------------
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, grad):
+    # fp32 GEMMs (MKL) even for bf16 tensors: stock bf16 GEMM on these CPUs is ~400x slower.
+    x, weight = ctx.saved_tensors
+    g = grad.float()
+    gx = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+    gw = (g.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    gb = g.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] \
+        else None
+    return gx, gw, gb, None, None
+
+
+torch.library.register_autograd(_lib + "linear", _linear_backward, setup_context=_linear_setup)
+
+
+def _register_reference_grad(name, ref_fn, n_tensors):
+    """Backward = autograd of `ref_fn` recomputed on the saved inputs (first n_tensors args)."""
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:n_tensors])
+        ctx.rest = inputs[n_tensors:]
+
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_(t.is_floating_point() and ctx.needs_input_grad[i])
+                   for i, t in enumerate(saved)]
+            out = ref_fn(*ins, *ctx.rest)
+            outs = out if isinstance(out, tuple) else (out,)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            want = [t for t in ins if t.requires_grad]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs],
+                                           allow_unused=True) if pairs and want else ())
+        res = [next(got) if t.requires_grad else None for t in ins]
+        return (*res, *([None] * len(ctx.rest)))
+
+    torch.library.register_autograd(_lib + name, backward, setup_context=setup)
+
+
+_register_reference_grad("rms_norm", reference.rms_norm, 2)
+_register_reference_grad("silu_mul", reference.silu_mul, 2)
+_register_reference_grad("attention_varlen", reference.attention_varlen, 4)
+_register_reference_grad("moe_combine", reference.moe_combine, 2)
+
+
+def _moe_route_setup(ctx, inputs, output):
+    logits, top_k, normalize = inputs
+    ids, _ = output
+    ctx.save_for_backward(logits, ids)
+    ctx.normalize = normalize
+
+
+def _moe_route_backward(ctx, grad_ids, grad_w):
+    # The ids are a discrete choice; the weights are softmax(logits)[ids] (renormalised).
+    logits, ids = ctx.saved_tensors
+    with torch.enable_grad():
+        lg = logits.detach().float().requires_grad_(True)
+        w = torch.softmax(lg, -1).gather(-1, ids)
+        if ctx.normalize:
+            w = w / w.sum(-1, keepdim=True)
+        (g,) = torch.autograd.grad(w, lg, grad_w)
+    return g.to(logits.dtype), None, None
+
+
+torch.library.register_autograd(_lib + "moe_route", _moe_route_backward,
+                                setup_context=_moe_route_setup)

@@ -1,0 +1,54 @@
+// The per-ISA kernel table. ops.cpp (the torch-facing side: checks, allocation, threading,
+// weight packing) calls these through `kernels()`; isa_avx2.cpp and isa_portable.cpp each fill
+// one table from the same source (kernels_impl.h), so both give identical bits.
+//
+// Threading never splits a reduction: every function below computes complete outputs (rows,
+// panels of output columns, (query, head) pairs) and ops.cpp only distributes those.
+#pragma once
+#include <cstdint>
+
+namespace tonp {
+
+constexpr int kPanel = 16;  // output columns per packed weight panel
+constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 6-row micro tile)
+
+enum class Elem : int { F32 = 0, BF16 = 1 };
+
+struct AttnQuery {
+  const float* q;      // [G, D] fp32: the G query heads that share one KV head
+  float* out;          // [G, D] fp32
+  const void* k_base;  // K of position 0 of the sequence (contiguous) or null (paged)
+  const void* v_base;
+  const int32_t* pages;  // paged: this sequence's page ids, else null
+  int64_t page_stride;   // paged: elements per page
+  int64_t pos_stride;    // elements between consecutive positions
+  int64_t pos;           // the query's position t; keys 0..t are valid
+};
+
+struct Kernels {
+  const char* name;
+  // Linear: rows [0, rows) of x (fp32, row stride ldx) times one packed weight panel
+  // (K x 16, fp32 or bf16) -> `ncols` <= 16 outputs per row. K = chunks * kc, each chunk a
+  // sequential FMA chain over k from 0, chunk partials combined by the pairwise tree.
+  void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* panel, Elem welem,
+                       int64_t kc, int chunks, const float* bias, int ncols, void* out,
+                       int64_t ldo, Elem oelem, float* scratch);
+  // Causal attention for one query position and one KV head (G query heads), online softmax
+  // over key blocks of `block` positions aligned to position 0.
+  void (*attention)(const AttnQuery& a, int G, int D, int block, Elem kv, float scale,
+                    float* scratch);
+  // Row-wise ops.
+  void (*rms_norm)(const void* x, const void* w, void* out, int64_t H, float eps, Elem e,
+                   Elem we);
+  void (*silu_mul)(const void* g, const void* u, void* out, int64_t n, Elem e);
+  void (*lse_chunks)(const void* x, int64_t V, Elem e, float temperature, int chunks, float* m,
+                     float* s);
+  void (*moe_combine)(const float* w, const void* y, void* out, int64_t K, int64_t H, Elem e);
+  float (*exp)(float x);
+};
+
+const Kernels* kernels_avx2();
+const Kernels* kernels_portable();
+bool cpu_has_avx2_fma();
+
+}  // namespace tonp

@@ -1,0 +1,25 @@
+// Operator schemas of the tonp library (torch.ops.tonp.*). CPU implementations live in the
+// other files of this folder; fake (meta) implementations and autograd are registered from
+// Python (tonp_kernels/_register.py).
+#include <torch/library.h>
+
+TORCH_LIBRARY(tonp, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int chunks, ScalarType? out_dtype) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, int block) -> Tensor");
+  m.def("attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor q_seq, "
+        "Tensor q_pos, float scale) -> Tensor");
+  m.def("lse_partial(Tensor logits, float temperature, int chunks) -> (Tensor, Tensor)");
+  m.def("lse_finish(Tensor maxes, Tensor sums) -> Tensor");
+  m.def("max_with_index(Tensor logits) -> (Tensor, Tensor)");
+  m.def("sample(Tensor logits, float temperature, int top_k, float top_p, int seed, "
+        "Tensor request_ids, Tensor positions) -> Tensor");
+  m.def("moe_route(Tensor router_logits, int top_k, bool normalize) -> (Tensor, Tensor)");
+  m.def("moe_combine(Tensor weights, Tensor expert_out) -> Tensor");
+}
+
+// A Python module named tonp_kernels._C so that `import tonp_kernels._C` loads the library.
+#include <Python.h>
+static struct PyModuleDef tonp_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&tonp_module); }

@@ -1,0 +1,494 @@
+// The torch-facing side of the tonp kernels: argument checks, allocation, weight packing, and
+// threading. Threads only ever receive whole outputs (row blocks x weight panels, (query, KV
+// head) pairs, rows); every reduction runs inside one call of a kernel from the ISA table, in an
+// order fixed by the weight shape and the row's own sequence. So the bits of a row depend on
+// neither M, nor the row's slot, nor the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tonp {
+namespace {
+
+const Kernels* K() {
+  // Read at call time so tests can compare the AVX2 and the portable build in one process.
+  const char* force = std::getenv("TONP_FORCE_PORTABLE");
+  if (force && force[0] == '1') return kernels_portable();
+  static const bool avx2 = cpu_has_avx2_fma();
+  return avx2 ? kernels_avx2() : kernels_portable();
+}
+
+Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "tonp.", op, ": ", what, " must be a CPU tensor, got ", t.device());
+  if (t.scalar_type() == at::kFloat) return Elem::F32;
+  if (t.scalar_type() == at::kBFloat16) return Elem::BF16;
+  TORCH_CHECK(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_chunks(int64_t K, int64_t chunks, const char* op) {
+  TORCH_CHECK(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
+  TORCH_CHECK(K % chunks == 0, "tonp.", op, ": the reduction size ", K, " is not divisible by chunks=", chunks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight packing: W [N, K] -> panels [ceil(N/16), K, 16] (same dtype, zero padded), cached per
+// weight and invalidated when the weight's storage dies, its version counter moves (in-place
+// update, optimizer step) or its view changes.
+// ---------------------------------------------------------------------------------------------
+struct PackEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t version;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  at::Tensor panels;
+};
+
+std::mutex g_pack_mu;
+std::unordered_map<const void*, PackEntry> g_pack;
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  const int64_t N = w.size(0), Kd = w.size(1), np = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({np * kPanel, Kd}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({np, kPanel, Kd}).transpose(1, 2).contiguous();  // exact copies
+}
+
+at::Tensor packed_weight(const at::Tensor& w) {
+  const int64_t version = w.is_inference() ? -1 : w._version();
+  const void* key = w.data_ptr();
+  c10::StorageImpl* storage = w.storage().unsafeGetStorageImpl();
+  {
+    std::lock_guard<std::mutex> lock(g_pack_mu);
+    auto it = g_pack.find(key);
+    if (it != g_pack.end()) {
+      auto& e = it->second;
+      auto alive = e.storage.lock();
+      if (alive.get() == storage && e.version == version && e.dtype == w.scalar_type() &&
+          e.sizes == w.sizes().vec() && e.strides == w.strides().vec())
+        return e.panels;
+    }
+  }
+  at::Tensor panels;
+  {
+    at::AutoDispatchBelowAutograd guard;  // packing is not part of any graph
+    c10::InferenceMode off(false);
+    panels = pack_panels(w.detach());
+  }
+  std::lock_guard<std::mutex> lock(g_pack_mu);
+  if (g_pack.size() >= 4096)  // drop entries whose weights are gone
+    for (auto it = g_pack.begin(); it != g_pack.end();)
+      it = it->second.storage.expired() ? g_pack.erase(it) : std::next(it);
+  g_pack.erase(key);
+  g_pack.emplace(key, PackEntry{w.storage().getWeakStorageImpl(), version, w.sizes().vec(), w.strides().vec(),
+                                w.scalar_type(), panels});
+  return panels;
+}
+
+at::ScalarType dtype_of(Elem e) { return e == Elem::F32 ? at::kFloat : at::kBFloat16; }
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+// ---------------------------------------------------------------------------------------------
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  int64_t chunks, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x_.dim() == 2 && w.dim() == 2, "tonp.linear: expected x [M, K] and weight [N, K], got ",
+              x_.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x_.size(1) == w.size(1), "tonp.linear: x has K=", x_.size(1), " but weight has K=", w.size(1));
+  elem_of(x_, "linear", "x");
+  const Elem welem = elem_of(w, "linear", "weight");
+  const at::ScalarType odt = out_dtype.value_or(x_.scalar_type());
+  const Elem oelem = elem_of(at::empty({0}, x_.options().dtype(odt)), "linear", "out_dtype");
+  const int64_t M = x_.size(0), Kd = x_.size(1), N = w.size(0);
+  check_chunks(Kd, chunks, "linear");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "tonp.linear: bias must be [", N, "], got ", bias->sizes());
+    elem_of(*bias, "linear", "bias");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x_.options().dtype(odt));
+  if (M == 0 || N == 0) return out;
+  if (Kd == 0) {
+    out.zero_();
+    if (bias_f.defined()) out.add_(bias_f.to(odt));
+    return out;
+  }
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const at::Tensor panels = packed_weight(w);
+  const int64_t kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2;
+  const float* xp = x.data_ptr<float>();
+  const char* pp = static_cast<const char*>(panels.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const Kernels* kern = K();
+  at::parallel_for(0, np * nmb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kc * kPanel + chunks * kRowBlock * kPanel);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
+      const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
+      const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
+      kern->linear_panel(xp + r0 * Kd, Kd, rows, pp + p * Kd * kPanel * esz, welem, kc, int(chunks),
+                         bp ? bp + p * kPanel : nullptr, ncols, op + (r0 * N + p * kPanel) * osz, N, oelem,
+                         scratch.data());
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
+  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 1 && w_.size(0) == x_.size(1), "tonp.rms_norm: expected x [M, H] and weight [H], got ",
+              x_.sizes(), " and ", w_.sizes());
+  const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
+  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t M = x.size(0), H = x.size(1);
+  const int64_t esz = e == Elem::F32 ? 4 : 2;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const Kernels* kern = K();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    for (int64_t r = b; r < en; ++r) kern->rms_norm(xp + r * H * esz, w.data_ptr(), op + r * H * esz, H, float(eps), e, we);
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
+  TORCH_CHECK(g_.sizes() == u_.sizes() && g_.scalar_type() == u_.scalar_type(), "tonp.silu_mul: gate and up must match, got ",
+              g_.sizes(), " and ", u_.sizes());
+  const Elem e = elem_of(g_, "silu_mul", "gate");
+  const at::Tensor g = g_.contiguous(), u = u_.contiguous();
+  at::Tensor out = at::empty_like(g);
+  const int64_t n = g.numel(), esz = e == Elem::F32 ? 4 : 2, blk = 4096;  // fixed blocks, not per-thread spans
+  const char* gp = static_cast<const char*>(g.data_ptr());
+  const char* up = static_cast<const char*>(u.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const Kernels* kern = K();
+  at::parallel_for(0, (n + blk - 1) / blk, 1, [&](int64_t b, int64_t en) {
+    for (int64_t i = b; i < en; ++i) {
+      const int64_t s = i * blk, len = std::min(blk, n - s);
+      kern->silu_mul(gp + s * esz, up + s * esz, op + s * esz, len, e);
+    }
+  });
+  return out;
+}
+
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+  elem_of(q, op, "q");
+  const Elem ek = elem_of(k, op, "k"), ev = elem_of(v, op, "v");
+  TORCH_CHECK(ek == ev && q.scalar_type() == k.scalar_type(), "tonp.", op, ": q, k, v must share one dtype");
+  TORCH_CHECK(q.dim() == 3, "tonp.", op, ": q must be [T, Hq, D], got ", q.sizes());
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D % 8 == 0 && D > 0, "tonp.", op, ": head_dim must be a positive multiple of 8, got ", D);
+  TORCH_CHECK(k.size(-1) == D && v.sizes() == k.sizes(), "tonp.", op, ": k/v shapes ", k.sizes(), "/", v.sizes(),
+              " do not match q ", q.sizes());
+  TORCH_CHECK(q.size(1) % k.size(-2) == 0, "tonp.", op, ": ", q.size(1), " query heads not a multiple of ", k.size(-2),
+              " KV heads");
+}
+
+size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
+  return size_t(G * ((block + 7) / 8 * 8) + G * D + 2 * G);
+}
+
+at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& cu_,
+                            double scale, int64_t block) {
+  check_attention(q_, k_, v_, "attention_varlen");
+  TORCH_CHECK(k_.dim() == 3 && k_.size(0) == q_.size(0), "tonp.attention_varlen: k must be [T, Hkv, D] with T = ", q_.size(0));
+  TORCH_CHECK(block > 0, "tonp.attention_varlen: block must be positive");
+  const at::Tensor cu = cu_.to(at::kLong).contiguous();
+  const int64_t T = q_.size(0), Hq = q_.size(1), Hkv = k_.size(1), D = q_.size(2), G = Hq / Hkv;
+  const int64_t S = cu.numel() - 1;
+  const int64_t* cp = cu.data_ptr<int64_t>();
+  TORCH_CHECK(S >= 0 && cp[0] == 0 && cp[S] == T, "tonp.attention_varlen: cu_seqlens must run from 0 to T=", T);
+  std::vector<int64_t> seq_of(T);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(cp[s + 1] >= cp[s], "tonp.attention_varlen: cu_seqlens must not decrease");
+    for (int64_t t = cp[s]; t < cp[s + 1]; ++t) seq_of[t] = s;
+  }
+  const at::Tensor q = q_.to(at::kFloat).contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  at::Tensor out = at::empty({T, Hq, D}, q.options());
+  const Elem kv = k.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
+  const int64_t esz = kv == Elem::F32 ? 4 : 2;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const float* qp = q.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const Kernels* kern = K();
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t en) {
+    std::vector<float> scratch(attn_scratch(G, D, block));
+    for (int64_t task = b; task < en; ++task) {
+      const int64_t t = task / Hkv, h = task % Hkv, s = seq_of[t];
+      AttnQuery a{qp + (t * Hq + h * G) * D, outp + (t * Hq + h * G) * D, kp + (cp[s] * Hkv + h) * D * esz,
+                  vp + (cp[s] * Hkv + h) * D * esz, nullptr, 0, Hkv * D, t - cp[s]};
+      kern->attention(a, int(G), int(D), int(block), kv, float(scale), scratch.data());
+    }
+  });
+  return out.to(q_.scalar_type());
+}
+
+at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at::Tensor& vc_, const at::Tensor& pt_,
+                           const at::Tensor& qs_, const at::Tensor& qpos_, double scale) {
+  check_attention(q_, kc_, vc_, "attention_paged");
+  TORCH_CHECK(kc_.dim() == 4, "tonp.attention_paged: caches must be [pages, block, Hkv, D], got ", kc_.sizes());
+  TORCH_CHECK(kc_.is_contiguous() && vc_.is_contiguous(), "tonp.attention_paged: caches must be contiguous");
+  const at::Tensor pt = pt_.to(at::kInt).contiguous(), qs = qs_.to(at::kLong).contiguous(), qpos = qpos_.to(at::kLong).contiguous();
+  const int64_t Tq = q_.size(0), Hq = q_.size(1), D = q_.size(2), P = kc_.size(0), B = kc_.size(1), Hkv = kc_.size(2);
+  const int64_t G = Hq / Hkv, S = pt.size(0), maxp = pt.size(1);
+  TORCH_CHECK(qs.numel() == Tq && qpos.numel() == Tq, "tonp.attention_paged: q_seq and q_pos must have ", Tq, " entries");
+  const int32_t* ptp = pt.data_ptr<int32_t>();
+  const int64_t* qsp = qs.data_ptr<int64_t>();
+  const int64_t* qpp = qpos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < Tq; ++i) {
+    TORCH_CHECK(qsp[i] >= 0 && qsp[i] < S, "tonp.attention_paged: q_seq[", i, "]=", qsp[i], " outside the page table");
+    TORCH_CHECK(qpp[i] >= 0 && qpp[i] / B < maxp, "tonp.attention_paged: position ", qpp[i],
+                " exceeds the cache capacity of ", maxp * B, " positions");
+    for (int64_t b = 0; b <= qpp[i] / B; ++b) {
+      const int32_t page = ptp[qsp[i] * maxp + b];
+      TORCH_CHECK(page >= 0 && page < P, "tonp.attention_paged: page id ", page, " outside [0, ", P, ")");
+    }
+  }
+  const at::Tensor q = q_.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({Tq, Hq, D}, q.options());
+  const Elem kv = kc_.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
+  const int64_t esz = kv == Elem::F32 ? 4 : 2;
+  const char* kp = static_cast<const char*>(kc_.data_ptr());
+  const char* vp = static_cast<const char*>(vc_.data_ptr());
+  const float* qp = q.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const Kernels* kern = K();
+  at::parallel_for(0, Tq * Hkv, 1, [&](int64_t b, int64_t en) {
+    std::vector<float> scratch(attn_scratch(G, D, B));
+    for (int64_t task = b; task < en; ++task) {
+      const int64_t i = task / Hkv, h = task % Hkv;
+      AttnQuery a{qp + (i * Hq + h * G) * D, outp + (i * Hq + h * G) * D, kp + h * D * esz, vp + h * D * esz,
+                  ptp + qsp[i] * maxp, B * Hkv * D, Hkv * D, qpp[i]};
+      kern->attention(a, int(G), int(D), int(B), kv, float(scale), scratch.data());
+    }
+  });
+  return out.to(q_.scalar_type());
+}
+
+// (max, sum) pairs combined by the fixed pairwise tree, in place; the one combine used by the
+// in-kernel chunk tree and by the cross-shard finish.
+void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
+  for (int64_t step = 1; step < n; step *= 2)
+    for (int64_t c = 0; c + step < n; c += 2 * step) {
+      const float ma = m[c], mb = m[c + step], mx = ma > mb ? ma : mb;
+      if (mx == -INFINITY) {
+        s[c] = 0.f;
+      } else {
+        const float a = s[c] * kern->exp(ma - mx), b = s[c + step] * kern->exp(mb - mx);
+        s[c] = a + b;
+      }
+      m[c] = mx;
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temperature, int64_t chunks) {
+  TORCH_CHECK(x_.dim() == 2, "tonp.lse_partial: logits must be [M, V]");
+  const Elem e = elem_of(x_, "lse_partial", "logits");
+  TORCH_CHECK(temperature > 0, "tonp.lse_partial: temperature must be positive");
+  const int64_t M = x_.size(0), V = x_.size(1);
+  check_chunks(V, chunks, "lse_partial");
+  TORCH_CHECK(V > 0, "tonp.lse_partial: empty vocabulary");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor m = at::empty({M}, x.options().dtype(at::kFloat)), s = at::empty({M}, m.options());
+  const int64_t esz = e == Elem::F32 ? 4 : 2;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const Kernels* kern = K();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    std::vector<float> mc(chunks), sc(chunks);
+    for (int64_t r = b; r < en; ++r) {
+      kern->lse_chunks(xp + r * V * esz, V, e, float(temperature), int(chunks), mc.data(), sc.data());
+      lse_tree(mc.data(), sc.data(), chunks, kern);
+      m.data_ptr<float>()[r] = mc[0];
+      s.data_ptr<float>()[r] = sc[0];
+    }
+  });
+  return {m, s};
+}
+
+at::Tensor lse_finish(const at::Tensor& maxes_, const at::Tensor& sums_) {
+  TORCH_CHECK(maxes_.dim() == 2 && maxes_.sizes() == sums_.sizes() && maxes_.scalar_type() == at::kFloat &&
+                  sums_.scalar_type() == at::kFloat, "tonp.lse_finish: expected fp32 [P, M] maxes and sums");
+  const int64_t P = maxes_.size(0), M = maxes_.size(1);
+  TORCH_CHECK(P >= 1 && (P & (P - 1)) == 0, "tonp.lse_finish: the number of partials must be a power of two, got ", P);
+  const at::Tensor mt = maxes_.t().contiguous(), st = sums_.t().contiguous();  // [M, P]
+  at::Tensor out = at::empty({M}, mt.options());
+  const Kernels* kern = K();
+  std::vector<float> mc(P), sc(P);
+  for (int64_t r = 0; r < M; ++r) {
+    std::copy_n(mt.data_ptr<float>() + r * P, P, mc.data());
+    std::copy_n(st.data_ptr<float>() + r * P, P, sc.data());
+    lse_tree(mc.data(), sc.data(), P, kern);
+    out.data_ptr<float>()[r] = mc[0] == -INFINITY ? -INFINITY : mc[0] + std::log(sc[0]);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "tonp.max_with_index: logits must be [M, V] with V > 0");
+  const Elem e = elem_of(x_, "max_with_index", "logits");
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  (void)e;
+  const int64_t M = x.size(0), V = x.size(1);
+  at::Tensor val = at::empty({M}, x.options()), idx = at::empty({M}, x.options().dtype(at::kLong));
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    for (int64_t r = b; r < en; ++r) {
+      const float* row = x.data_ptr<float>() + r * V;
+      int64_t best = 0;
+      for (int64_t i = 1; i < V; ++i)
+        if (row[i] > row[best] || (std::isnan(row[best]) && !std::isnan(row[i]))) best = i;  // strict: lowest index wins
+      val.data_ptr<float>()[r] = row[best];
+      idx.data_ptr<int64_t>()[r] = best;
+    }
+  });
+  return {val, idx};
+}
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Seeded sampling: Gumbel-max over the kept tokens, noise = hash(seed, request, position, token).
+at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, double top_p, int64_t seed,
+                  const at::Tensor& req_, const at::Tensor& pos_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "tonp.sample: logits must be [M, V]");
+  elem_of(x_, "sample", "logits");
+  TORCH_CHECK(temperature > 0, "tonp.sample: temperature must be positive (0 means greedy: use argmax)");
+  const at::Tensor x = x_.to(at::kFloat).contiguous(), req = req_.to(at::kLong).contiguous(), pos = pos_.to(at::kLong).contiguous();
+  const int64_t M = x.size(0), V = x.size(1);
+  TORCH_CHECK(req.numel() == M && pos.numel() == M, "tonp.sample: request_ids and positions must have ", M, " entries");
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  const float T = float(temperature);
+  const Kernels* kern = K();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    std::vector<float> y(V);
+    std::vector<int64_t> order(V);
+    std::vector<char> keep(V);
+    for (int64_t r = b; r < en; ++r) {
+      const float* row = x.data_ptr<float>() + r * V;
+      for (int64_t i = 0; i < V; ++i) y[i] = row[i] / T;
+      std::fill(keep.begin(), keep.end(), 1);
+      const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.0;
+      if (use_k || use_p) {
+        for (int64_t i = 0; i < V; ++i) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return y[a] > y[c]; });
+        int64_t kept = use_k ? top_k : V;
+        if (use_p) {  // smallest prefix (of the top-k) whose probability mass reaches top_p
+          const float mx = y[order[0]];
+          float z = 0.f;
+          for (int64_t i = 0; i < kept; ++i) z = z + kern->exp(y[order[i]] - mx);
+          float cum = 0.f;
+          int64_t n = 0;
+          while (n < kept) {
+            cum = cum + kern->exp(y[order[n]] - mx) / z;
+            ++n;
+            if (cum >= float(top_p)) break;
+          }
+          kept = n;
+        }
+        std::fill(keep.begin(), keep.end(), 0);
+        for (int64_t i = 0; i < kept; ++i) keep[order[i]] = 1;
+      }
+      const uint64_t base = splitmix64(splitmix64(uint64_t(seed)) ^ splitmix64(uint64_t(req.data_ptr<int64_t>()[r]) + 0x5851f42d4c957f2dull));
+      const uint64_t key = splitmix64(base ^ splitmix64(uint64_t(pos.data_ptr<int64_t>()[r]) * 0x2545f4914f6cdd1dull));
+      int64_t best = -1;
+      double best_score = -INFINITY;
+      for (int64_t i = 0; i < V; ++i) {
+        if (!keep[i] || y[i] == -INFINITY) continue;
+        const uint64_t h = splitmix64(key ^ uint64_t(i));
+        const double u = (double(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // (0, 1)
+        const double score = double(y[i]) - std::log(-std::log(u));
+        if (best < 0 || score > best_score) best = i, best_score = score;
+      }
+      out.data_ptr<int64_t>()[r] = best < 0 ? 0 : best;
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k, bool normalize) {
+  TORCH_CHECK(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E]");
+  elem_of(x_, "moe_route", "router_logits");
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), E = x.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
+  at::Tensor ids = at::empty({M, top_k}, x.options().dtype(at::kLong)), w = at::empty({M, top_k}, x.options());
+  const Kernels* kern = K();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    std::vector<float> p(E);
+    std::vector<char> taken(E);
+    for (int64_t r = b; r < en; ++r) {
+      const float* row = x.data_ptr<float>() + r * E;
+      float mx = row[0];
+      for (int64_t i = 1; i < E; ++i) mx = row[i] > mx ? row[i] : mx;
+      float z = 0.f;
+      for (int64_t i = 0; i < E; ++i) z = z + (p[i] = kern->exp(row[i] - mx));
+      for (int64_t i = 0; i < E; ++i) p[i] = p[i] / z;
+      std::fill(taken.begin(), taken.end(), 0);
+      int64_t* idr = ids.data_ptr<int64_t>() + r * top_k;
+      float* wr = w.data_ptr<float>() + r * top_k;
+      for (int64_t k = 0; k < top_k; ++k) {  // stable: strictly greater wins, so ties go to the lower id
+        int64_t best = -1;
+        for (int64_t i = 0; i < E; ++i)
+          if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+        taken[best] = 1;
+        idr[k] = best;
+        wr[k] = p[best];
+      }
+      if (normalize) {
+        float s = 0.f;
+        for (int64_t k = 0; k < top_k; ++k) s = s + wr[k];
+        for (int64_t k = 0; k < top_k; ++k) wr[k] = wr[k] / s;
+      }
+    }
+  });
+  return {ids, w};
+}
+
+at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
+  TORCH_CHECK(y_.dim() == 3 && w_.dim() == 2 && w_.size(0) == y_.size(0) && w_.size(1) == y_.size(1),
+              "tonp.moe_combine: expected weights [M, K] and expert_out [M, K, H], got ", w_.sizes(), " and ", y_.sizes());
+  TORCH_CHECK(w_.scalar_type() == at::kFloat, "tonp.moe_combine: weights must be float32");
+  const Elem e = elem_of(y_, "moe_combine", "expert_out");
+  const at::Tensor w = w_.contiguous(), y = y_.contiguous();
+  const int64_t M = y.size(0), Kk = y.size(1), H = y.size(2), esz = e == Elem::F32 ? 4 : 2;
+  at::Tensor out = at::empty({M, H}, y.options());
+  const char* yp = static_cast<const char*>(y.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const Kernels* kern = K();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+    for (int64_t r = b; r < en; ++r) kern->moe_combine(w.data_ptr<float>() + r * Kk, yp + r * Kk * H * esz, op + r * H * esz, Kk, H, e);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tonp, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("attention_varlen", &attention_varlen);
+  m.impl("attention_paged", &attention_paged);
+  m.impl("lse_partial", &lse_partial);
+  m.impl("lse_finish", &lse_finish);
+  m.impl("max_with_index", &max_with_index);
+  m.impl("sample", &sample);
+  m.impl("moe_route", &moe_route);
+  m.impl("moe_combine", &moe_combine);
+}
+
+}  // namespace tonp

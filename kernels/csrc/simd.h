@@ -1,0 +1,148 @@
+// An 8-lane fp32 vector, in AVX2 (TONP_AVX2=1) or portable scalar code (TONP_AVX2=0).
+//
+// Every operation is lane-wise IEEE arithmetic (add, mul, div, sqrt, fma, max, round), so the
+// two builds give identical bits: the portable build is not an approximation of the AVX2 one,
+// it is the same computation, lane for lane. Reductions across lanes happen only in hsum /
+// hsum8, which both use one fixed tree. exp is built from these operations, so there is exactly
+// one exp in tonp, whatever the ISA and whichever path (vector body or scalar tail) calls it.
+//
+// This header is included only by the ISA translation units (isa_*.cpp), never by code that
+// includes torch headers, so no inline function compiled for AVX2 can leak into generic code.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if TONP_AVX2
+#include <immintrin.h>
+#endif
+
+namespace tonp_simd {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Round to nearest even, as c10::BFloat16 and torch's .to(torch.bfloat16) do.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return uint16_t(b >> 16);
+}
+
+#if TONP_AVX2
+struct V8 {
+  __m256 v;
+};
+inline V8 vzero() { return {_mm256_setzero_ps()}; }
+inline V8 vset1(float x) { return {_mm256_set1_ps(x)}; }
+inline V8 vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline V8 vload(const uint16_t* p) {  // 8 bf16 -> fp32 (exact)
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+}
+inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a.v); }
+inline V8 vadd(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline V8 vsub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline V8 vmul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline V8 vdiv(V8 a, V8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline V8 vfma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }  // a*b+c, one rounding
+inline V8 vmax(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }  // (a > b) ? a : b
+inline V8 vmin(V8 a, V8 b) { return {_mm256_min_ps(a.v, b.v)}; }  // (a < b) ? a : b
+inline V8 vround(V8 a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// 2^n for integral n in [-126, 127], built in the exponent bits.
+inline V8 vpow2i(V8 n) {
+  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+}
+// select(mask a < b, x, y) and friends
+inline V8 vsel_lt(V8 a, V8 b, V8 x, V8 y) { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))}; }
+inline V8 vsel_nan(V8 a, V8 x, V8 y) { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))}; }
+inline float lane(V8 a, int i) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, a.v);
+  return t[i];
+}
+// Eight horizontal sums at once: lane i of the result is hsum(a[i]) with the same tree as hsum.
+inline V8 hsum8(const V8* a) {
+  __m256 h01 = _mm256_hadd_ps(a[0].v, a[1].v), h23 = _mm256_hadd_ps(a[2].v, a[3].v);
+  __m256 h45 = _mm256_hadd_ps(a[4].v, a[5].v), h67 = _mm256_hadd_ps(a[6].v, a[7].v);
+  __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+  return {_mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31))};
+}
+#else
+struct V8 {
+  float v[8];
+};
+#define TONP_LANES for (int i = 0; i < 8; ++i)
+inline V8 vzero() { V8 r; TONP_LANES r.v[i] = 0.f; return r; }
+inline V8 vset1(float x) { V8 r; TONP_LANES r.v[i] = x; return r; }
+inline V8 vload(const float* p) { V8 r; TONP_LANES r.v[i] = p[i]; return r; }
+inline V8 vload(const uint16_t* p) { V8 r; TONP_LANES r.v[i] = bf16_to_f32(p[i]); return r; }
+inline void vstore(float* p, V8 a) { TONP_LANES p[i] = a.v[i]; }
+inline V8 vadd(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] + b.v[i]; return a; }
+inline V8 vsub(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] - b.v[i]; return a; }
+inline V8 vmul(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] * b.v[i]; return a; }
+inline V8 vdiv(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] / b.v[i]; return a; }
+inline V8 vfma(V8 a, V8 b, V8 c) { TONP_LANES c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
+inline V8 vmax(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return a; }
+inline V8 vmin(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i]; return a; }
+inline V8 vround(V8 a) { TONP_LANES a.v[i] = std::nearbyint(a.v[i]); return a; }
+inline V8 vpow2i(V8 n) {
+  V8 r;
+  TONP_LANES {
+    uint32_t e = uint32_t(int32_t(n.v[i]) + 127) << 23;
+    std::memcpy(&r.v[i], &e, 4);
+  }
+  return r;
+}
+inline V8 vsel_lt(V8 a, V8 b, V8 x, V8 y) { TONP_LANES y.v[i] = a.v[i] < b.v[i] ? x.v[i] : y.v[i]; return y; }
+inline V8 vsel_nan(V8 a, V8 x, V8 y) { TONP_LANES y.v[i] = std::isnan(a.v[i]) ? x.v[i] : y.v[i]; return y; }
+inline float lane(V8 a, int i) { return a.v[i]; }
+inline V8 hsum8(const V8* a) {
+  V8 r;
+  TONP_LANES {
+    const float* t = a[i].v;
+    r.v[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+  return r;
+}
+#undef TONP_LANES
+#endif
+
+// The one horizontal-sum tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+inline float hsum(V8 a) {
+  float t[8];
+  vstore(t, a);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+// exp(x) (Cephes expf, ~1 ulp): range reduction x = n ln2 + r with a two-constant ln2, a degree-6
+// polynomial, and 2^n in the exponent bits. x < -87.3365 gives 0 (no denormals), x > 88 gives
+// +inf, NaN stays NaN.
+inline V8 vexp(V8 x) {
+  const V8 lo = vset1(-87.33654475f), hi = vset1(88.0f);
+  V8 xc = vmin(vmax(x, lo), hi);
+  V8 n = vround(vmul(xc, vset1(1.44269504088896341f)));
+  V8 r = vfma(n, vset1(-0.693359375f), xc);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  V8 p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  V8 y = vadd(vfma(p, vmul(r, r), r), vset1(1.0f));
+  y = vmul(y, vpow2i(n));
+  y = vsel_lt(x, lo, vzero(), y);
+  y = vsel_lt(hi, x, vset1(INFINITY), y);
+  return vsel_nan(x, x, y);
+}
+
+inline float sexp(float x) { return lane(vexp(vset1(x)), 0); }
+
+}  // namespace tonp_simd
