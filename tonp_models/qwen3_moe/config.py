@@ -170,7 +170,10 @@ class Qwen3MoeConfig:
             if key in _METADATA_KEYS:
                 d.pop(key)
         if "num_local_experts" in d:
-            d.setdefault("num_experts", d.pop("num_local_experts"))
+            n = d.pop("num_local_experts")
+            if d.setdefault("num_experts", n) != n:
+                raise ValueError(f"Qwen3MoeConfig.from_hf: num_experts={d['num_experts']} and "
+                                 f"num_local_experts={n} disagree")
         if "dtype" in d:
             dt = d.pop("dtype")
             if dt is not None:
@@ -212,10 +215,10 @@ class Qwen3MoeConfig:
 
 
 PRESETS: Dict[str, Dict[str, Any]] = {
-    # Byte-level friendly (256 bytes + 64 specials), fast on 2 CPU cores; layer 2 is dense.
+    # Byte-level friendly (256 bytes + 64 specials), fast on 2 CPU cores.
     "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2],
+                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                  max_position_embeddings=1024, rope_theta=10000.0, attention_block=16,
                  torch_dtype="float32", bos_token_id=256, eos_token_id=257),
     # Qwen/Qwen3-30B-A3B config.json
