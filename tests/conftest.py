@@ -31,6 +31,7 @@ def describe_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return (f"shape/dtype {tuple(actual.shape)}/{actual.dtype} vs "
                 f"{tuple(expected.shape)}/{expected.dtype}")
+    actual, expected = actual.detach(), expected.detach()
     if actual.is_floating_point():
         a, e = actual.double(), expected.double()
         bad = ~((a == e) | (a.isnan() & e.isnan()))

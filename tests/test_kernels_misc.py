@@ -48,6 +48,11 @@ def test_rms_norm_accuracy_gradients_and_layouts(dtype, gen):
     assert_bitwise(tk.rms_norm(q.contiguous(), w, 1e-6).reshape(-1, H),
                    tk.rms_norm(q.reshape(-1, H), w, 1e-6), "[T, heads, D] vs rows")
     assert tk.rms_norm(x[:0], w, 1e-6).shape == (0, H)
+    # A weight in the other dtype (fp32 norm weights with bf16 activations): output in x.dtype.
+    w_other = w.float() if dtype == torch.bfloat16 else w.bfloat16()
+    y_mixed = tk.rms_norm(x, w_other, 1e-6)
+    assert y_mixed.dtype == dtype
+    assert_close(y_mixed, reference.rms_norm(x, w_other, 1e-6), dtype=dtype, what="mixed dtypes")
     check_thread_invariance(lambda x: tk.rms_norm(x, w, 1e-6), x, what="rms_norm")
     grads = []
     for fn in (tk.rms_norm, reference.rms_norm):
@@ -113,7 +118,10 @@ def test_moe_route_matches_the_reference(dtype, gen):
         ids, w = tk.moe_route(x, k, norm)
         assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (50, k)
         ref_ids, ref_w = reference.moe_route(x, k, norm)
-        assert_bitwise(ids, ref_ids, f"expert ids E={E} k={k}")
+        # bf16 logits tie often; torch.topk's order among ties is unspecified, ours is stable.
+        probs = torch.softmax(x.float(), -1)
+        stable = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert_bitwise(ids, stable, f"expert ids E={E} k={k}")
         assert_close(w, ref_w, dtype=torch.float32, what=f"weights E={E} k={k}")
         if norm:
             assert_close(w.sum(-1), torch.ones(50), dtype=torch.float32, what="renormalised")
@@ -133,7 +141,9 @@ def test_moe_route_ties_go_to_the_lower_expert_id(gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_route_gradients_and_layouts(dtype, gen):
-    x0 = randn(12, 32, dtype=dtype, gen=gen, scale=2.0)
+    # Distinct logits (multiples of 1/8, exact in bf16): with ties the two could pick different
+    # experts and the gradients would not be comparable.
+    x0 = torch.stack([torch.randperm(32, generator=gen) for _ in range(12)]).to(dtype) / 8 - 2
     g = torch.randn(12, 4, generator=gen)
     grads = []
     for fn in (tk.moe_route, reference.moe_route):
@@ -257,8 +267,6 @@ def test_bad_inputs_raise_clear_errors(gen):
         tk.rms_norm(x.half(), torch.ones(16).half(), 1e-6)
     with pytest.raises(RuntimeError, match="CPU"):
         tk.rms_norm(x.to("meta"), torch.ones(16, device="meta"), 1e-6)
-    with pytest.raises((TypeError, ValueError, RuntimeError), match="(?i)dtype|bfloat16|float32"):
-        tk.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="must match"):
         tk.silu_mul(x, x[:, :8])
     with pytest.raises(ValueError, match="must match"):

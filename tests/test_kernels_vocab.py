@@ -217,6 +217,29 @@ def test_sampling_frequencies_follow_the_softmax():
         f"frequencies {freq.tolist()} vs softmax {expected.tolist()}"
 
 
+def test_masked_vocabulary_entries(gen):
+    """-inf logits (a masked vocabulary) contribute nothing, give -inf logprobs, are never
+    sampled; a row with a single finite entry has logsumexp equal to it."""
+    x = _logits(40, torch.float32, gen, vocab=64)
+    x[:, 10:40] = float("-inf")
+    x[1] = float("-inf")
+    x[1, 5] = 0.0
+    t = _targets(40, gen, vocab=64)
+    assert_bitwise(tk.logsumexp(x)[1], torch.tensor(0.0), "one finite entry")
+    assert_close(tk.logsumexp(x), reference.logsumexp(x), dtype=torch.float32, scale=SCALE,
+                 what="masked logsumexp")
+    lp = tk.token_logprobs(x, t)
+    masked = (t >= 10) & (t < 40)
+    assert bool(lp[masked].eq(float("-inf")).all()) and bool(lp[~masked].isfinite().all())
+    ids = torch.arange(40)
+    for seed in range(5):
+        for kw in ({}, {"top_k": 50}, {"top_p": 0.99}):
+            got = _sample(x, ids, ids, seed=seed, **kw)
+            assert not bool(((got >= 10) & (got < 40)).any()), f"sampled a masked token {kw}"
+            assert int(got[1]) == 5
+    assert not bool(((tk.argmax(x) >= 10) & (tk.argmax(x) < 40)).any())
+
+
 def test_empty_batches_and_bad_inputs(gen):
     empty = torch.empty(0, 64)
     assert tk.log_softmax(empty).shape == (0, 64)

@@ -1,0 +1,282 @@
+"""Kernel benchmark: tonp's order-locked CPU kernels against stock torch, in one run.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels.py [--quick]
+
+Prints a markdown table and writes benchmarks/results/kernels.md and kernels.json:
+  * linear GFLOP/s for Qwen3-30B-A3B shapes (hidden 2048: qkv/o/router/expert projections) at
+    M = 1, 8, 64, 512, 2048: tonp fp32 and tonp bf16 (bf16 weights and activations) against torch
+    fp32 (MKL) and torch bf16, each measured in the same run;
+  * M = 1 effective bandwidth (weight bytes / time) against a measured memory copy;
+  * attention prefill (one causal sequence) and decode (one query per sequence against a paged
+    cache) against torch SDPA.
+Each row says whether the issue's target is met (issue 2): at M >= 512 tonp fp32 >= 70% and tonp
+bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
+decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
+(fewer for slow calls). Stock bf16 GEMM is very slow on CPUs without AMX/AVX512-BF16, so its
+large shapes are skipped when a call would take longer than --max-call-s (the table says so).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import tonp_kernels as tk
+from tonp_kernels import stock
+
+LINEAR_SHAPES = (  # (name, K, N)
+    ("qkv/o 2048->4096", 2048, 4096),
+    ("2048->512", 2048, 512),
+    ("router 2048->128", 2048, 128),
+    ("expert gate/up 2048->1536", 2048, 1536),
+    ("expert down 768->2048", 768, 2048),
+)
+ROWS = (1, 8, 64, 512, 2048)
+HQ, HKV, D, BLOCK = 32, 4, 128, 64  # Qwen3-30B-A3B attention
+
+
+def kernels_built() -> bool:
+    try:
+        tk.linear(torch.zeros(1, 8), torch.zeros(1, 8))
+        return True
+    except (ImportError, NotImplementedError, RuntimeError):
+        return False
+
+
+def timeit(fn, *, repeat: int, max_total_s: float) -> float:
+    """Median seconds per call after one warm-up; fewer repeats when a call is slow."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    n = max(1, min(repeat, int(max_total_s / max(first, 1e-9))))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(quick: bool) -> float:
+    """GB/s of a large tensor copy (bytes read + bytes written), the memory roofline."""
+    n = (64 if quick else 256) * 2 ** 20 // 4
+    src, dst = torch.randn(n), torch.empty(n)
+    t = timeit(lambda: dst.copy_(src), repeat=5, max_total_s=5)
+    return 2 * n * 4 / t / 1e9
+
+
+def bench_linear(args, built: bool, copy_gbs: float) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    torch_bf16_gflops = {}  # per shape: rate at a small M, to predict whether a call is too slow
+    for name, K, N in LINEAR_SHAPES:
+        w32 = torch.randn(N, K, generator=gen) * K ** -0.5
+        w16 = w32.bfloat16()
+        for M in args.rows:
+            x32 = torch.randn(M, K, generator=gen)
+            x16 = x32.bfloat16()
+            flop = 2 * M * N * K
+            r = {"op": "linear", "shape": name, "M": M, "K": K, "N": N}
+            rate = lambda t: flop / t / 1e9  # noqa: E731
+            r["torch_fp32"] = rate(timeit(lambda: F.linear(x32, w32), repeat=args.repeat,
+                                          max_total_s=args.max_total_s))
+            predicted = flop / 1e9 / torch_bf16_gflops[name] if name in torch_bf16_gflops else 0
+            if predicted > args.max_call_s:
+                r["torch_bf16"] = None
+                r["torch_bf16_note"] = f"skipped (~{predicted:.0f} s/call)"
+            else:
+                r["torch_bf16"] = rate(timeit(lambda: F.linear(x16, w16), repeat=args.repeat,
+                                              max_total_s=args.max_total_s))
+                torch_bf16_gflops[name] = r["torch_bf16"]
+            if built:
+                for tag, x, w in (("tonp_fp32", x32, w32), ("tonp_bf16", x16, w16)):
+                    t = timeit(lambda: tk.linear(x, w), repeat=args.repeat,
+                               max_total_s=args.max_total_s)
+                    r[tag] = rate(t)
+                    if M == 1:  # a GEMV streams the weight once: compare with the copy bandwidth
+                        r[tag + "_GBs"] = w.numel() * w.element_size() / t / 1e9
+            r.update(linear_targets(r, copy_gbs))
+            rows.append(r)
+            print_progress(r)
+    return rows
+
+
+def linear_targets(r: dict, copy_gbs: float) -> dict:
+    out = {}
+    if "tonp_fp32" not in r:
+        return out
+    base = r["torch_fp32"]
+    out["fp32_vs_torch_fp32"] = r["tonp_fp32"] / base
+    out["bf16_vs_torch_fp32"] = r["tonp_bf16"] / base
+    if r["torch_bf16"]:
+        out["bf16_vs_torch_bf16"] = r["tonp_bf16"] / r["torch_bf16"]
+    if r["M"] >= 512:
+        out["target"] = "fp32 >= 0.70x and bf16 >= 0.50x torch fp32"
+        out["met"] = out["fp32_vs_torch_fp32"] >= 0.70 and out["bf16_vs_torch_fp32"] >= 0.50
+    elif r["M"] == 1:
+        out["fp32_bw_frac"] = r["tonp_fp32_GBs"] / copy_gbs
+        out["bf16_bw_frac"] = r["tonp_bf16_GBs"] / copy_gbs
+        out["target"] = ">= 0.75 of copy bandwidth"
+        out["met"] = out["fp32_bw_frac"] >= 0.75 and out["bf16_bw_frac"] >= 0.75
+    return out
+
+
+def bench_attention(args, built: bool) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    scale = D ** -0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        for L in args.prefill:
+            q = torch.randn(L, HQ, D, generator=gen).to(dtype)
+            k, v = (torch.randn(L, HKV, D, generator=gen).to(dtype) for _ in range(2))
+            cu = torch.tensor([0, L])
+            flop = 4 * HQ * D * L * (L + 1) / 2  # QK^T and PV over the causal triangle
+            r = {"op": "attention prefill", "dtype": str(dtype).split(".")[-1], "L": L}
+            t = timeit(lambda: stock.attention_varlen(q, k, v, cu, scale), repeat=args.repeat,
+                       max_total_s=args.max_total_s)
+            r["torch_sdpa_tok_s"], r["torch_sdpa_gflops"] = L / t, flop / t / 1e9
+            if built:
+                t = timeit(lambda: tk.attention_varlen(q, k, v, cu, scale=scale, block=BLOCK),
+                           repeat=args.repeat, max_total_s=args.max_total_s)
+                r["tonp_tok_s"], r["tonp_gflops"] = L / t, flop / t / 1e9
+                r["ratio"] = r["tonp_tok_s"] / r["torch_sdpa_tok_s"]
+            rows.append(r)
+            print_progress(r)
+        for batch in (1, 16):
+            for ctx in args.contexts:
+                rows.append(bench_decode(args, built, dtype, batch, ctx, gen))
+                print_progress(rows[-1])
+    return rows
+
+
+def bench_decode(args, built, dtype, batch, ctx, gen) -> dict:
+    """One new query per sequence at position ctx-1; tonp reads a paged cache with scattered
+    pages, torch SDPA reads contiguous [batch, Hkv, ctx, D] K/V (its best case)."""
+    scale = D ** -0.5
+    pages = ctx // BLOCK
+    kc, vc = (torch.randn(batch * pages, BLOCK, HKV, D, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(batch * pages, generator=gen).reshape(batch, pages).int()
+    q = torch.randn(batch, HQ, D, generator=gen).to(dtype)
+    k_lin = kc[table.long()].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
+    v_lin = vc[table.long()].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
+    q_sdpa = q.unsqueeze(2)  # (batch, Hq, 1, D)
+    r = {"op": "attention decode", "dtype": str(dtype).split(".")[-1], "batch": batch,
+         "context": ctx}
+    kv_bytes = 2 * batch * ctx * HKV * D * kc.element_size()
+    t = timeit(lambda: F.scaled_dot_product_attention(q_sdpa, k_lin, v_lin, scale=scale,
+                                                      enable_gqa=True),
+               repeat=args.repeat * 4, max_total_s=args.max_total_s)
+    r["torch_sdpa_tok_s"], r["torch_sdpa_GBs"] = batch / t, kv_bytes / t / 1e9
+    if built:
+        q_seq = torch.arange(batch, dtype=torch.int32)
+        q_pos = torch.full((batch,), ctx - 1, dtype=torch.int64)
+        t = timeit(lambda: tk.attention_paged(q, kc, vc, table, q_seq, q_pos, scale=scale),
+                   repeat=args.repeat * 4, max_total_s=args.max_total_s)
+        r["tonp_tok_s"], r["tonp_GBs"] = batch / t, kv_bytes / t / 1e9
+        r["ratio"] = r["tonp_tok_s"] / r["torch_sdpa_tok_s"]
+        r["target"], r["met"] = "no slower than SDPA", r["ratio"] >= 1.0
+    return r
+
+
+def print_progress(r: dict) -> None:
+    print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in r.items()), flush=True)
+
+
+def fmt(v, digits=1):
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def met(r):
+    return "" if "met" not in r else ("met" if r["met"] else "NOT met")
+
+
+def markdown(linear_rows, attn_rows, meta) -> str:
+    out = [f"# tonp kernel benchmark ({meta['date']})", "",
+           f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
+           f"memory copy {meta['copy_GBs']:.2f} GB/s (read + write). "
+           f"Median of up to {meta['repeat']} runs after a warm-up."
+           + ("" if meta["built"] else " **tonp kernels not built: torch columns only.**"), "",
+           "## Linear (GFLOP/s; x = ratio to torch fp32 in this run)", "",
+           "| shape | M | torch fp32 | torch bf16 | tonp fp32 | tonp bf16 | tonp fp32 / torch fp32 "
+           "| tonp bf16 / torch fp32 | M=1 GB/s fp32 / bf16 (frac of copy) | target |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in linear_rows:
+        bf = fmt(r["torch_bf16"], 2) if r["torch_bf16"] else r.get("torch_bf16_note", "n/a")
+        bw = ""
+        if r["M"] == 1 and "tonp_fp32_GBs" in r:
+            bw = (f"{r['tonp_fp32_GBs']:.2f} ({r['fp32_bw_frac']:.2f}) / "
+                  f"{r['tonp_bf16_GBs']:.2f} ({r['bf16_bw_frac']:.2f})")
+        out.append(f"| {r['shape']} | {r['M']} | {fmt(r['torch_fp32'])} | {bf} | "
+                   f"{fmt(r.get('tonp_fp32'))} | {fmt(r.get('tonp_bf16'))} | "
+                   f"{fmt(r.get('fp32_vs_torch_fp32'), 2)}x | "
+                   f"{fmt(r.get('bf16_vs_torch_fp32'), 2)}x | {bw} | {met(r)} |")
+    out += ["", "## Attention (Hq 32, Hkv 4, head_dim 128, block 64)", "",
+            "| case | dtype | torch SDPA | tonp | tonp / SDPA | target |", "|---|---|---|---|---|---|"]
+    for r in attn_rows:
+        if r["op"] == "attention prefill":
+            case = f"prefill 1 x {r['L']} tokens"
+            a = f"{r['torch_sdpa_tok_s']:.0f} tok/s ({r['torch_sdpa_gflops']:.1f} GFLOP/s)"
+            b = (f"{r['tonp_tok_s']:.0f} tok/s ({r['tonp_gflops']:.1f} GFLOP/s)"
+                 if "tonp_tok_s" in r else "n/a")
+        else:
+            case = f"decode batch {r['batch']}, context {r['context']}"
+            a = f"{r['torch_sdpa_tok_s']:.0f} tok/s ({r['torch_sdpa_GBs']:.2f} GB/s KV)"
+            b = (f"{r['tonp_tok_s']:.0f} tok/s ({r['tonp_GBs']:.2f} GB/s KV)"
+                 if "tonp_tok_s" in r else "n/a")
+        out.append(f"| {case} | {r['dtype']} | {a} | {b} | {fmt(r.get('ratio'), 2)}x | "
+                   f"{met(r)} |")
+    return "\n".join(out) + "\n"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke run)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--max-call-s", type=float, default=20.0,
+                   help="skip a torch bf16 GEMM predicted to take longer than this per call")
+    p.add_argument("--max-total-s", type=float, default=6.0,
+                   help="time budget of the repeats of one measurement")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    args.rows, args.prefill, args.contexts = ROWS, (1024, 2048), (1024, 4096)
+    if args.quick:
+        args.repeat, args.max_total_s, args.max_call_s = 2, 1.0, 2.0
+        args.rows, args.prefill, args.contexts = (1, 64, 512), (256,), (1024,)
+    tk.use("invariant")
+    built = kernels_built()
+    copy_gbs = copy_bandwidth(args.quick)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "built": built,
+            "copy_GBs": copy_gbs, "repeat": args.repeat, "quick": args.quick}
+    print(f"copy bandwidth {copy_gbs:.2f} GB/s; tonp kernels built: {built}", flush=True)
+    linear_rows = bench_linear(args, built, copy_gbs)
+    attn_rows = bench_attention(args, built)
+    md = markdown(linear_rows, attn_rows, meta)
+    print("\n" + md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "kernels_quick" if args.quick else "kernels"
+    (args.out / f"{stem}.md").write_text(md)
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "linear": linear_rows, "attention": attn_rows}, indent=1))
+    print(f"wrote {args.out / stem}.md and .json")
+
+
+if __name__ == "__main__":
+    main()
