@@ -240,7 +240,8 @@ def _new_cache(model, reqs: List[_Request], max_new_tokens: int, max_batch_size:
     return model.new_cache(max_batch_size, max(positions), num_pages=num_pages)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: the returned sequences feed the (grad-enabled) training forward.
+@torch.no_grad()
 def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
              eos_token_id: Union[int, Sequence[int], None] = None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,

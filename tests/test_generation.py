@@ -1,0 +1,239 @@
+"""The rollout engine keeps the true-on-policy promise.
+
+* "logdiff is exactly 0": the logprobs `generate` reports equal, bit for bit, the training
+  forward's `token_logprobs` of the returned sequences, in fp32 and bf16, greedy and sampled, with
+  the rollout batch (ragged prompts, continuous batching, preemption) and the training
+  micro-batches (1, 3, all; packed and padded; reordered) arranged differently. Twin: stock torch
+  ops ("torch" mode) give a non-zero logdiff.
+* "a request does not depend on its batch": tokens and logprobs are the same alone and in any
+  batch (any max_batch_size, companions, order, cache size). Twin: not so in "torch" mode.
+* Seeded sampling is reproducible and changes with the seed; eos / stop tokens end a request;
+  bad input raises a clear error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tonp_kernels as tk
+from conftest import assert_bitwise
+from tonp_models import GenerationOutput, Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
+from tonp_models.layers import CacheFullError
+
+# Ragged prompts that end inside, at and just past a page (the tiny preset's block is 16).
+PROMPT_LENS = (5, 16, 1, 33, 9, 17, 24)
+NEW = 10
+SAMPLINGS = {
+    "greedy": dict(temperature=0.0),
+    "T1": dict(temperature=1.0),
+    "T0.7-topk": dict(temperature=0.7, top_k=20),
+    "T1.3-topp": dict(temperature=1.3, top_p=0.9),
+}
+
+
+def _config() -> Qwen3MoeConfig:
+    # Two layers: one sparse MoE layer and one dense MLP layer.
+    return Qwen3MoeConfig.preset("tiny", num_hidden_layers=2, mlp_only_layers=[1])
+
+
+_MODELS = {}
+
+
+def tiny_model(dtype: torch.dtype) -> Qwen3MoeForCausalLM:
+    if dtype not in _MODELS:
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(_config(), dtype=dtype)
+        # Sharper than the 0.02 init: a peaked next-token distribution, so greedy and top-k/p
+        # make real choices and eos is reachable.
+        with torch.no_grad():
+            model.lm_head.weight.mul_(10.0)
+        _MODELS[dtype] = model.eval()
+    return _MODELS[dtype]
+
+
+def prompts(lens=PROMPT_LENS, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g) for n in lens]
+
+
+def rollout_logdiff(model, out: GenerationOutput, temperature: float, **score_kw):
+    """(max |logp_train - logp_rollout|, all bitwise equal) over every generated token."""
+    T = temperature or 1.0
+    with torch.no_grad():
+        train = model.token_logprobs(out.sequences, temperature=T, **score_kw)
+    worst, equal = 0.0, True
+    for lp_train, lp_roll, p in zip(train, out.logprobs, out.prompt_lengths):
+        lp_train = lp_train[p - 1:]          # positions that predicted generated tokens
+        assert lp_train.dtype == lp_roll.dtype == torch.float32
+        assert lp_train.shape == lp_roll.shape
+        equal &= torch.equal(lp_train, lp_roll)
+        worst = max(worst, float((lp_train - lp_roll).abs().max()))
+    return worst, equal
+
+
+def assert_same_rollouts(got: GenerationOutput, want: GenerationOutput, what: str) -> None:
+    for i, (s, w) in enumerate(zip(got.sequences, want.sequences, strict=True)):
+        assert_bitwise(s, w, f"{what}: tokens of request {i}")
+    for i, (s, w) in enumerate(zip(got.logprobs, want.logprobs, strict=True)):
+        assert_bitwise(s, w, f"{what}: logprobs of request {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# logdiff == 0
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_rollout_logprobs_equal_training_logprobs(dtype, sampling):
+    model, kw = tiny_model(dtype), SAMPLINGS[sampling]
+    # Continuous batching: 7 ragged prompts through 3 slots, joining as others finish.
+    out = generate(model, prompts(), NEW, max_batch_size=3, seed=11, **kw)
+    assert out.num_new_tokens == [NEW] * len(PROMPT_LENS)
+    for mb, packed in ((1, True), (3, False), (3, True), (None, True), (None, False)):
+        worst, equal = rollout_logdiff(model, out, kw["temperature"], micro_batch_size=mb,
+                                       packed=packed)
+        assert equal, f"logdiff {worst:.3e} with micro-batches of {mb}, packed={packed}"
+    # Training order reversed: each sequence sits among other companions than in the rollout.
+    rev = GenerationOutput(out.sequences[::-1], out.logprobs[::-1], out.prompt_lengths[::-1],
+                           out.finish_reasons[::-1])
+    worst, equal = rollout_logdiff(model, rev, kw["temperature"], micro_batch_size=2)
+    assert equal, f"logdiff {worst:.3e} with reversed micro-batches of 2"
+
+
+def test_logdiff_zero_under_preemption():
+    """A cache too small for the batch forces preemption and recomputation: still exact."""
+    model = tiny_model(torch.float32)
+    out = generate(model, prompts(), NEW, temperature=1.0, seed=3, num_pages=4)
+    assert out.stats.preemptions > 0
+    worst, equal = rollout_logdiff(model, out, 1.0, micro_batch_size=3)
+    assert equal, f"logdiff {worst:.3e} after preemption"
+
+
+def test_logdiff_nonzero_with_stock_torch(torch_mode):
+    """Twin: the same rollout and scoring with stock torch ops do not agree bit for bit."""
+    model = tiny_model(torch.float32)
+    out = generate(model, prompts(), NEW, max_batch_size=3)
+    worst, equal = rollout_logdiff(model, out, 0.0, micro_batch_size=3, packed=False)
+    assert not equal and worst > 0, "stock torch unexpectedly matched bit for bit"
+
+
+# ---------------------------------------------------------------------------------------------
+# A request does not depend on its batch
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", ["greedy", "T0.7-topk"])
+def test_request_is_the_same_alone_and_in_any_batch(sampling):
+    model, kw = tiny_model(torch.float32), SAMPLINGS[sampling]
+    ps = prompts()
+    n = len(ps)
+    alone = [generate(model, [p], NEW, seed=5, request_ids=[i], **kw) for i, p in enumerate(ps)]
+    want = GenerationOutput([a.sequences[0] for a in alone], [a.logprobs[0] for a in alone],
+                            list(PROMPT_LENS), ["length"] * n)
+    for mbs in (2, None):
+        assert_same_rollouts(generate(model, ps, NEW, seed=5, max_batch_size=mbs, **kw), want,
+                             f"max_batch_size={mbs}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(2)).tolist()
+    got = generate(model, [ps[i] for i in perm], NEW, seed=5, request_ids=perm, max_batch_size=3,
+                   **kw)
+    inv = [perm.index(i) for i in range(n)]
+    assert_same_rollouts(GenerationOutput([got.sequences[j] for j in inv],
+                                          [got.logprobs[j] for j in inv], list(PROMPT_LENS),
+                                          ["length"] * n), want, f"prompts permuted {perm}")
+    # New companions (other prompts, other ids) and a cache small enough to force preemption.
+    extra = prompts((40, 2, 11), seed=9)
+    got = generate(model, extra[:2] + ps + extra[2:], NEW, seed=5,
+                   request_ids=[100, 101, *range(n), 102], max_batch_size=4, num_pages=5, **kw)
+    got = GenerationOutput(got.sequences[2:2 + n], got.logprobs[2:2 + n], list(PROMPT_LENS),
+                           ["length"] * n)
+    assert_same_rollouts(got, want, "among other companions, with preemption")
+
+
+def test_request_depends_on_batch_with_stock_torch(torch_mode):
+    """Twin: with stock torch ops a request's logprobs change with its batch."""
+    model = tiny_model(torch.float32)
+    ps = prompts()
+    batched = generate(model, ps, NEW)
+    differs = False
+    for i, p in enumerate(ps):
+        alone = generate(model, [p], NEW)
+        differs |= not (torch.equal(alone.sequences[0], batched.sequences[i])
+                        and torch.equal(alone.logprobs[0], batched.logprobs[i]))
+        if differs:
+            break
+    assert differs, "stock torch unexpectedly gave batch-independent rollouts"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling, eos and stop tokens
+# ---------------------------------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_follows_the_seed():
+    model = tiny_model(torch.float32)
+    ps = prompts()
+    a = generate(model, ps, NEW, temperature=1.0, seed=42, max_batch_size=3)
+    b = generate(model, ps, NEW, temperature=1.0, seed=42)
+    assert_same_rollouts(b, a, "same seed")
+    c = generate(model, ps, NEW, temperature=1.0, seed=43)
+    assert any(not torch.equal(x, y) for x, y in zip(a.sequences, c.sequences)), \
+        "changing the seed changed no token"
+    # Requests with the same prompt but different ids draw different samples (GRPO groups).
+    g = generate(model, [ps[3]] * 4, NEW, temperature=1.0, seed=42)
+    assert len({tuple(s.tolist()) for s in g.sequences}) > 1
+
+
+def test_greedy_logprobs_are_plain_log_softmax():
+    model = tiny_model(torch.float32)
+    out = generate(model, prompts()[:3], 4)
+    for seq, lp, p in zip(out.sequences, out.logprobs, out.prompt_lengths):
+        logits = model(seq[:-1])[p - 1:]
+        assert torch.equal(seq[p:], tk.argmax(logits))
+        assert torch.equal(lp, tk.token_logprobs(logits, seq[p:]))
+
+
+def test_eos_and_stop_tokens_end_a_request():
+    model = tiny_model(torch.float32)
+    ps = prompts()
+    free = generate(model, ps, NEW, temperature=1.0, seed=7)
+    # The token request 1 draws at its 4th step becomes eos; request 3's 2nd token a stop token.
+    eos, stop = int(free.completions[1][3]), int(free.completions[3][1])
+    out = generate(model, ps, NEW, temperature=1.0, seed=7, eos_token_id=eos,
+                   stop_token_ids=[stop], max_batch_size=3)
+    for i, (full, got) in enumerate(zip(free.completions, out.completions)):
+        hits = [j for j, t in enumerate(full.tolist()) if t in (eos, stop)]
+        n = hits[0] + 1 if hits else NEW
+        assert torch.equal(got, full[:n]), f"request {i} did not stop at its first eos/stop"
+        assert torch.equal(out.logprobs[i], free.logprobs[i][:n])
+        want = "length" if not hits else "eos" if int(full[hits[0]]) == eos else "stop"
+        assert out.finish_reasons[i] == want
+    assert out.num_new_tokens[1] <= 4 and out.finish_reasons[1] in ("eos", "stop")
+    assert generate(model, ps[:2], 0).completions[0].numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+def test_bad_input_raises_clear_errors():
+    model = tiny_model(torch.float32)
+    V, limit = model.config.vocab_size, model.config.max_position_embeddings
+    ok = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [ok, torch.tensor([], dtype=torch.long)], 4)
+    with pytest.raises(IndexError, match=r"prompt 0 holds token ids \[320\]"):
+        generate(model, [torch.tensor([1, V])], 4)
+    with pytest.raises(IndexError, match=r"token ids \[-1\]"):
+        generate(model, [[-1, 2]], 4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(model, [torch.zeros(limit, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match="max_new_tokens=10 exceeds max_position_embeddings"):
+        generate(model, [torch.zeros(limit - 5, dtype=torch.long)], 10)
+    with pytest.raises(CacheFullError, match="cannot run even alone"):
+        generate(model, [torch.zeros(40, dtype=torch.long)], 10, num_pages=2)
+    with pytest.raises(TypeError, match="1-D"):
+        generate(model, [torch.zeros(2, 3, dtype=torch.long)], 4)
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        generate(model, ok, 4)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generate(model, [ok], 4, eos_token_id=V)
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0),
+                dict(max_batch_size=0), dict(num_pages=0)):
+        with pytest.raises(ValueError):
+            generate(model, [ok], 4, **bad)
+    with pytest.raises(ValueError, match="request_ids"):
+        generate(model, [ok, ok], 4, request_ids=[0])
