@@ -170,8 +170,10 @@ def load_checkpoint(model, path) -> None:
     path = os.fspath(path)
     files = _weight_files(path)
     c = model.config
+    gate_up = next(iter(FUSED))
     fused = [L for L in range(c.num_hidden_layers)
-             if c.is_sparse_layer(L) and FUSED_NAMES[0].format(L=L) in files]
+             if c.is_sparse_layer(L) and gate_up.format(L=L) in files]
+    fused_names = {hf.format(L=L) for L in fused for hf in FUSED}
     slots = hub_slots(model, fused_layers=fused)
     params = dict(model.named_parameters())
     tp_size, tp_rank = _size(model, "tp_group"), _rank(model, "tp_group")
@@ -193,7 +195,7 @@ def load_checkpoint(model, path) -> None:
             if shape != s.shape:
                 misshaped.append(f"{s.hf}: checkpoint {list(shape)}, model {list(s.shape)}")
                 continue
-            if s.hf in _fused_names(fused):
+            if s.hf in fused_names:
                 t, dst = sl[s.index], params[s.param]
             else:
                 if s.tp_dim is not None and tp_size > 1:
@@ -216,13 +218,6 @@ def load_checkpoint(model, path) -> None:
                 lines.append(f"  {what} ({len(items)}): " + ", ".join(items[:20]) +
                              (" ..." if len(items) > 20 else ""))
         raise ValueError("\n".join(lines))
-
-
-FUSED_NAMES = list(FUSED)
-
-
-def _fused_names(layers) -> set:
-    return {hf.format(L=L) for L in layers for hf in FUSED}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -209,6 +209,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         if temperature <= 0:
             raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
         seqs = [torch.as_tensor(s).long().reshape(-1) for s in sequences]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("token_logprobs: every sequence needs at least one token")
         mb = micro_batch_size or max(len(seqs), 1)
         if mb < 1:
             raise ValueError(f"token_logprobs: micro_batch_size must be >= 1, got {mb}")
