@@ -1,0 +1,66 @@
+"""tonp's consistency diagnoser: run the same tokens through two paths and name the first op
+(layer, op, token positions, max |diff|) whose outputs differ, and why.
+
+    from tonp_models.diagnose import diagnose, write_report
+    diag = diagnose(model, seqs, "train", "decode")           # or "invariant", "torch", ...
+    print(diag.first)                                         # None: no divergence
+    write_report(diag, "out/")                                # out/diagnosis.txt + .json
+
+Paths (see paths.py): the training forward ("train" packed, "padded") vs the decode path
+("decode": prefill + one token per step through a PagedKVCache), two kernel modes ("invariant",
+"torch"), two checkpoints (model_b=), two TP/EP layouts (layout.run_layout under torchrun).
+External engines: `compare_external(model, load_jsonl(path))` (see external.py).
+Command line: `python -m tonp_models.diagnose --help`.
+
+Modules: capture.py (hooks and kernel proxies that record every op boundary), paths.py (the
+paths), compare.py (alignment, first divergence, classification), layout.py (TP/EP captures
+merged on rank 0), report.py (text and JSON), external.py (other engines' logprobs).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .capture import Capture, Record, Trace, probe
+from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, Diagnosis,
+                      OpDiff, compare_traces)
+from .external import (ExternalReport, ExternalSequence, compare_external, load_jsonl,
+                       parse_record, write_external_report)
+from .paths import PathSpec, run_path
+from .report import NO_DIVERGENCE, format_text, to_json, write_report
+
+
+def diagnose(model, sequences: Sequence[torch.Tensor], a: Union[str, PathSpec] = "train",
+             b: Union[str, PathSpec] = "decode", *, model_b=None,
+             prompt_lens: Optional[Sequence[int]] = None,
+             out_dir: Optional[str] = None) -> Diagnosis:
+    """Run `sequences` (1-D int64 token ids) through path `a` on `model` and path `b` on
+    `model_b` (default: the same model) in this process, and compare them op by op.
+
+    a, b: PathSpec or its text ("train", "decode", "padded", "invariant", "torch",
+        "decode,torch", ...). TP/EP layouts need torchrun: see layout.run_layout.
+    prompt_lens: prefill lengths for a decode path (default half of each sequence).
+    out_dir: if given, also write diagnosis.txt and diagnosis.json there.
+    """
+    specs = [PathSpec.parse(s) if isinstance(s, str) else s for s in (a, b)]
+    for s in specs:
+        if s.tp > 1 or s.ep > 1:
+            raise ValueError(f"diagnose: path {s.label} needs several ranks; run under torchrun "
+                             f"(python -m tonp_models.diagnose ... or layout.run_layout)")
+    labels = [s.label for s in specs]
+    if labels[0] == labels[1]:
+        labels = [labels[0] + " (A)", labels[1] + " (B)"]
+    traces = [run_path(m, sequences, s.kind, mode=s.mode, prompt_lens=prompt_lens, label=lab)
+              for m, s, lab in zip((model, model_b or model), specs, labels)]
+    diag = compare_traces(*traces)
+    if out_dir is not None:
+        write_report(diag, out_dir)
+    return diag
+
+
+__all__ = ["diagnose", "Capture", "Record", "Trace", "probe", "PathSpec", "run_path",
+           "compare_traces", "Diagnosis", "OpDiff", "CLASSES", "OPERATOR", "ROUTING",
+           "COLLECTIVE", "PRECISION", "PROPAGATED", "format_text", "to_json", "write_report",
+           "NO_DIVERGENCE", "ExternalSequence", "ExternalReport", "parse_record", "load_jsonl",
+           "compare_external", "write_external_report"]
