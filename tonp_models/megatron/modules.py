@@ -1,0 +1,329 @@
+"""tonp's layers with megatron-core's construction and forward conventions.
+
+Each class IS the tonp layer (a subclass: same parameters, same kernels, same bits) with a
+constructor that takes megatron's arguments (`config: TransformerConfig`, `layer_number`,
+`pg_collection`, ...) and a forward that takes megatron's `[s, b, h]` hidden states and
+keywords and returns what `TransformerLayer` expects (`(output, bias)` for attention and MLP).
+
+    TonpRMSNorm          RMSNorm(config, hidden_size, eps)            [s, b, h] -> [s, b, h]
+    TonpSelfAttention    Attention (q/k/v, QK-norm, RoPE, o_proj)     -> (out [s, b, h], None)
+    TonpSparseMoE        SparseMoeBlock (router, top-k SwiGLU experts) -> (out [s, b, h], None)
+    TonpDenseMLP         DenseMLP (SwiGLU)                             -> (out [s, b, h], None)
+    tonp_bias_dropout_add  the residual add (megatron's unfused bias-dropout-add)
+
+Layouts the attention accepts (every token sees positions 0..t of its own sequence):
+* `[s, b, h]` without `packed_seq_params`: b causal sequences of s tokens (positions 0..s-1);
+  `attention_mask` must be None or megatron's causal mask (True above the diagonal).
+* `packed_seq_params` with qkv_format="thd": hidden `[T, 1, h]`, sequences cut by cu_seqlens_q
+  (== cu_seqlens_kv, no padded variants); positions restart at 0 in every sequence.
+* `inference_context` = megatron's `StaticInferenceContext`: hidden `[s, b, h]` extends batch
+  rows batch_size_offset..+b from position sequence_len_offset. The K/V live in a tonp
+  `PagedKVCache` kept on the context (`context.tonp_cache`), so a decode step gives the bits of
+  the full pass. Dynamic batching (`DynamicInferenceContext`) is refused (see docs/megatron.md).
+RoPE uses tonp's position-indexed fp32 tables with `rotary_base` from the spec; megatron's
+`rotary_pos_emb` tensor is only checked against that base, never applied (cos/sin computed per
+call are not batch-invariant).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
+
+from ..layers import Attention, DenseMLP, PagedKVCache, RMSNorm, RotaryEmbedding, SparseMoeBlock
+from .config import check_transformer_config
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------------------------
+def _groups(pg_collection, *names):
+    """The named groups of a ProcessGroupCollection (megatron's parallel_state when None), each
+    None when absent or of size 1 (tonp layers treat None as "this rank alone")."""
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(names))
+    out = []
+    for n in names:
+        g = getattr(pg_collection, n, None)
+        if g is not None:
+            import torch.distributed as dist
+            if not dist.is_initialized() or dist.get_world_size(g) == 1:
+                g = None
+        out.append(g)
+    return out
+
+
+def single_process_groups():
+    """A ProcessGroupCollection for one process without torch.distributed (every group None):
+    pass it as `pg_collection=` to TransformerBlock / TransformerLayer and the tonp spec."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    return ProcessGroupCollection(tp=None, pp=None, cp=None, ep=None, expt_tp=None, tp_cp=None,
+                                  dp=None, dp_cp=None, expt_dp=None, mp=None, embd=None,
+                                  pos_embd=None, tp_ep=None, tp_ep_pp=None, tp_dp_cp=None)
+
+
+def _init_weights(config, params, output_params=()) -> None:
+    """Megatron's init: matrices by config.init_method, output projections by
+    output_layer_init_method (norms stay 1). Per rank: load real weights for TP > 1."""
+    if not config.perform_initialization:
+        return
+    with torch.no_grad():
+        for p in params:
+            config.init_method(p)
+        for p in output_params:
+            config.output_layer_init_method(p)
+
+
+def tonp_bias_dropout_add(training: bool, fused: bool):
+    """The `self_attn_bda` / `mlp_bda` of the tonp spec: residual + dropout(x + bias).
+
+    Always megatron's unfused function: its "fused" variant is `torch.compile`d (a C++ compile
+    on CPU) and buys nothing here. With hidden_dropout=0 it is `residual + x`, the add of tonp's
+    own decoder layer (IEEE addition commutes, so the bits match)."""
+    return bias_dropout_add_unfused(training)
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm and MLPs
+# ---------------------------------------------------------------------------------------------
+class TonpRMSNorm(RMSNorm):
+    """tonp's RMSNorm built like megatron's norms: (config, hidden_size, eps). [..., h] -> [..., h]."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps, config.params_dtype)
+        self.config = config
+
+
+class TonpSparseMoE(SparseMoeBlock):
+    """tonp's SparseMoeBlock as megatron's `mlp` of an MoE layer.
+
+    Args: config (num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_router_pre_softmax),
+    pg_collection (its `ep` group; experts are whole on each rank and replicated over TP),
+    reduction_chunks (C). forward([s, b, h], padding_mask=None) -> (out [s, b, h], None).
+    """
+
+    def __init__(self, config, submodules=None, pg_collection=None, *, reduction_chunks: int = 8,
+                 **_unused):
+        check_transformer_config(config)
+        (ep,) = _groups(pg_collection, "ep")
+        super().__init__(config.hidden_size, config.moe_ffn_hidden_size, config.num_moe_experts,
+                         config.moe_router_topk, not config.moe_router_pre_softmax,
+                         chunks=reduction_chunks, ep_group=ep, dtype=config.params_dtype)
+        self.config = config
+        _init_weights(config, [self.gate, self.gate_up_proj], [self.down_proj])
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
+        # padding_mask only weights megatron's auxiliary losses; tonp computes none.
+        s, b, h = hidden_states.shape
+        # Tokens are independent here (CONTRACT.md: a row never depends on its batch), so the
+        # [s*b, h] order needs no transpose.
+        y = super().forward(hidden_states.reshape(s * b, h))
+        return y.view(s, b, h), None
+
+
+class TonpDenseMLP(DenseMLP):
+    """tonp's DenseMLP (SwiGLU, gate/up column-parallel, down row-parallel over `pg_collection.tp`)
+    as megatron's `mlp` of a dense layer. forward([s, b, h]) -> (out [s, b, h], None)."""
+
+    def __init__(self, config, submodules=None, pg_collection=None, tp_group=None, *,
+                 reduction_chunks: int = 8, **_unused):
+        check_transformer_config(config)
+        if tp_group is None:
+            (tp_group,) = _groups(pg_collection, "tp")
+        super().__init__(config.hidden_size, config.ffn_hidden_size, chunks=reduction_chunks,
+                         tp_group=tp_group, dtype=config.params_dtype)
+        self.config = config
+        _init_weights(config, [self.gate_proj.weight, self.up_proj.weight],
+                      [self.down_proj.weight])
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
+        s, b, h = hidden_states.shape
+        return super().forward(hidden_states.reshape(s * b, h)).view(s, b, h), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _shared_rotary(head_dim: int, theta: float, max_positions: int) -> RotaryEmbedding:
+    """One table per shape for all layers (48 private copies of a 40k x 128 table would cost GBs)."""
+    return RotaryEmbedding(head_dim, theta, max_positions)
+
+
+class TonpSelfAttention(Attention):
+    """tonp's Attention as megatron's `self_attention`.
+
+    Args:
+        config: TransformerConfig (hidden_size, num_attention_heads, num_query_groups,
+            kv_channels, layernorm_epsilon for the q/k norms, params_dtype, num_layers).
+        layer_number: megatron's 1-based global layer number (cache layer = layer_number - 1).
+        pg_collection: its `tp` group shards the heads (None: megatron's parallel_state).
+        rotary_base, max_position_embeddings: tonp's RoPE table (set them in the spec).
+        attention_block (B, also the KV page size), reduction_chunks (C).
+    forward(hidden_states [s, b, h], attention_mask=None, ..., inference_context=None,
+            rotary_pos_emb=None, packed_seq_params=None) -> (out [s, b, h], None)
+    """
+
+    def __init__(self, config, submodules=None, layer_number: int = 1, attn_mask_type=None,
+                 cp_comm_type=None, pg_collection=None, *, rotary_base: float = 10000.0,
+                 max_position_embeddings: int = 4096, attention_block: int = 64,
+                 reduction_chunks: int = 8, **_unused):
+        check_transformer_config(config)
+        if attn_mask_type is not None and getattr(attn_mask_type, "name", "causal") != "causal":
+            raise ValueError(f"TonpSelfAttention: attn_mask_type={attn_mask_type} (tonp's "
+                             f"attention is causal)")
+        (tp,) = _groups(pg_collection, "tp")
+        heads, groups = config.num_attention_heads, config.num_query_groups or \
+            config.num_attention_heads
+        super().__init__(layer_number - 1, config.hidden_size, heads, groups, config.kv_channels,
+                         rms_norm_eps=config.layernorm_epsilon, chunks=reduction_chunks,
+                         block=attention_block, tp_group=tp, dtype=config.params_dtype)
+        self.config, self.layer_number, self.rotary_base = config, layer_number, rotary_base
+        # A plain list keeps the shared table out of this module's children and state dict.
+        self._rotary = [_shared_rotary(config.kv_channels, float(rotary_base),
+                                       max_position_embeddings)]
+        self._rope_checked = False
+        _init_weights(config, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
+                      [self.o_proj.weight])
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        inference_context = inference_context if inference_context is not None \
+            else inference_params
+        unsupported = [n for n, v in (("key_value_states", key_value_states),
+                                      ("rotary_pos_cos/sin", rotary_pos_cos),
+                                      ("rotary_pos_cos_sin", rotary_pos_cos_sin),
+                                      ("attention_bias", attention_bias)) if v is not None]
+        if unsupported:
+            raise ValueError(f"TonpSelfAttention: {unsupported} are not supported (causal self-"
+                             f"attention with tonp's own RoPE tables)")
+        self._check_rope(rotary_pos_emb)
+        s, b, h = hidden_states.shape
+        rotary = self._rotary[0]
+        if inference_context is not None:
+            if packed_seq_params is not None:
+                raise ValueError("TonpSelfAttention: packed_seq_params with an inference_context "
+                                 "is not supported")
+            x = hidden_states.transpose(0, 1).reshape(b * s, h)                    # (b*s, h)
+            cache, step = _static_cache_step(inference_context, self, b, s, x.dtype)
+            y = super().forward(x, step.positions, rotary, cache=cache, step=step)
+            return y.view(b, s, h).transpose(0, 1).contiguous(), None
+        if packed_seq_params is not None:
+            x, cu = _thd(hidden_states, packed_seq_params)                         # (T, h)
+            y = super().forward(x, _positions(cu), rotary, cu_seqlens=cu)
+            return y.unsqueeze(1), None
+        _check_causal_mask(attention_mask, s)
+        x = hidden_states.transpose(0, 1).reshape(b * s, h)      # b sequences, packed (b*s, h)
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+        y = super().forward(x, torch.arange(s).repeat(b), rotary, cu_seqlens=cu)
+        return y.view(b, s, h).transpose(0, 1).contiguous(), None
+
+    def _check_rope(self, emb) -> None:
+        """Catch a GPTModel whose rotary_base / rotary_percent differ from the spec's (once)."""
+        if emb is None or self._rope_checked:
+            return
+        emb = emb[0] if isinstance(emb, tuple) else emb
+        D = self.head_dim
+        if emb.shape[-1] != D:
+            raise ValueError(f"TonpSelfAttention: rotary_pos_emb has {emb.shape[-1]} dims, tonp "
+                             f"rotates all head_dim={D} (rotary_percent must be 1.0)")
+        if emb.shape[0] >= 2:
+            got = (emb[1] - emb[0]).reshape(-1)[: D // 2].float().cpu()
+            want = 1.0 / (self.rotary_base ** (torch.arange(0, D, 2).float() / D))
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+                raise ValueError(f"TonpSelfAttention: megatron's rotary_pos_emb does not use "
+                                 f"rotary_base={self.rotary_base} of the tonp spec; build the "
+                                 f"spec with the GPTModel's rotary_base")
+        self._rope_checked = True
+
+
+def _positions(cu: torch.Tensor) -> torch.Tensor:
+    """Positions 0..n-1 within each packed sequence: cu int32 [S+1] -> int64 [T]."""
+    counts = (cu[1:] - cu[:-1]).long()
+    T = int(cu[-1])
+    return torch.arange(T) - torch.repeat_interleave(cu[:-1].long(), counts, output_size=T)
+
+
+def _thd(hidden: torch.Tensor, p):
+    """hidden [T, 1, h] + PackedSeqParams(thd) -> (x [T, h], cu_seqlens int32 [S+1])."""
+    if p.qkv_format not in (None, "thd"):
+        raise ValueError(f"TonpSelfAttention: packed_seq_params.qkv_format={p.qkv_format!r} "
+                         f"(only 'thd')")
+    if hidden.shape[1] != 1:
+        raise ValueError(f"TonpSelfAttention: packed (thd) hidden states must be [T, 1, h], got "
+                         f"{tuple(hidden.shape)}")
+    cu = p.cu_seqlens_q.to("cpu", torch.int32)
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(p, name, None)
+        if other is not None and not torch.equal(other.to("cpu", torch.int32), cu):
+            raise ValueError(f"TonpSelfAttention: {name} differs from cu_seqlens_q (padded or "
+                             f"cross-length packing is not supported)")
+    if int(cu[-1]) != hidden.shape[0]:
+        raise ValueError(f"TonpSelfAttention: cu_seqlens_q ends at {int(cu[-1])} but there are "
+                         f"{hidden.shape[0]} tokens")
+    return hidden[:, 0], cu
+
+
+def _check_causal_mask(mask, s: int) -> None:
+    """Accept None or megatron's causal mask ([.., s, s], True = masked): anything else
+    (padding, documents) must come as packed_seq_params, never as a mask."""
+    if mask is None:
+        return
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.shape[-2:] != (s, s) or not bool((mask.bool() == causal).all()):
+        raise ValueError("TonpSelfAttention: attention_mask must be None or the causal mask; "
+                         "pass ragged or padded sequences as packed_seq_params (thd)")
+
+
+def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype):
+    """Map a StaticInferenceContext onto a tonp PagedKVCache: batch row i is cache slot i.
+
+    The first layer of a forward prepares the step (pages, positions) and commits it; the other
+    layers find it by (sequence_len_offset, batch_size_offset, b, s). A batch restarting at
+    offset 0 releases and reclaims its slots."""
+    if not getattr(ctx, "is_static_batching", lambda: False)():
+        raise NotImplementedError("TonpSelfAttention: only megatron's StaticInferenceContext is "
+                                  "supported (DynamicInferenceContext needs CUDA/flash-attn)")
+    cache: Optional[PagedKVCache] = getattr(ctx, "tonp_cache", None)
+    shape = (attn.block, attn.local_kv_heads, attn.head_dim)
+    if cache is None:
+        B = attn.block
+        pages = ctx.max_batch_size * -(-ctx.max_sequence_length // B)
+        cache = PagedKVCache(attn.config.num_layers, attn.local_kv_heads, attn.head_dim,
+                             page_size=B, num_pages=pages, max_seqs=ctx.max_batch_size,
+                             max_seq_len=ctx.max_sequence_length, dtype=dtype)
+        for _ in range(ctx.max_batch_size):
+            cache.add_sequence()                     # slots 0..max_batch_size-1, in order
+        ctx.tonp_cache, ctx.tonp_step = cache, (None, None)
+    elif tuple(cache.k[0].shape[1:]) != shape or cache.k[0].dtype != dtype:
+        raise ValueError("TonpSelfAttention: the inference context's tonp cache belongs to a "
+                         "model of another shape or dtype")
+    off, boff = int(ctx.sequence_len_offset), int(ctx.batch_size_offset)
+    key = (off, boff, b, s)
+    if ctx.tonp_step[0] != key:
+        slots = list(range(boff, boff + b))
+        if slots[-1] >= ctx.max_batch_size:
+            raise ValueError(f"TonpSelfAttention: batch rows {slots} exceed max_batch_size="
+                             f"{ctx.max_batch_size}")
+        for slot in slots:
+            if off == 0 and cache.lengths[slot]:
+                cache.release(slot)
+                cache.add_sequence()                 # the slot just released comes back
+            if cache.lengths[slot] != off:
+                raise RuntimeError(f"TonpSelfAttention: cache slot {slot} holds "
+                                   f"{cache.lengths[slot]} positions but the context says "
+                                   f"sequence_len_offset={off}")
+        step = cache.prepare(slots, [s] * b)
+        cache.commit(step)         # lengths are read by prepare only; the layers use `step`
+        ctx.tonp_step = (key, step)
+    return cache, ctx.tonp_step[1]
+
+
+__all__ = ["single_process_groups", "TonpRMSNorm", "TonpSelfAttention", "TonpSparseMoE", "TonpDenseMLP",
+           "tonp_bias_dropout_add"]

@@ -1,0 +1,63 @@
+"""ModuleSpecs that make a megatron-core TransformerLayer / TransformerBlock run tonp's layers.
+
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from tonp_models.megatron import get_tonp_block_spec
+    block = TransformerBlock(config, get_tonp_block_spec(config, rotary_base=1e6))
+    out = block(hidden_states_sbh, attention_mask=None)                     # [s, b, h]
+
+    # or per layer, e.g. inside your own block spec / GPTModel:
+    layer_spec = get_tonp_layer_spec(moe=True, rotary_base=1e6)
+
+The layer itself stays megatron's `TransformerLayer` (residuals, recompute, offloading, hooks);
+only its norms, attention, MLP and residual add are tonp's. Options that are not in
+TransformerConfig travel in the spec: rotary_base and max_position_embeddings (GPTModel
+arguments), attention_block (B) and reduction_chunks (C) (tonp's own), and optionally a
+pg_collection for the MLP (megatron's TransformerLayer passes its process groups to attention
+but not to an MLP class it does not know; without one the MLP takes parallel_state's groups).
+"""
+from __future__ import annotations
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                         TransformerLayerSubmodules)
+
+from .config import check_transformer_config, moe_layer_pattern
+from .modules import (TonpDenseMLP, TonpRMSNorm, TonpSelfAttention, TonpSparseMoE,
+                      tonp_bias_dropout_add)
+
+
+def get_tonp_layer_spec(moe: bool = True, *, rotary_base: float = 10000.0,
+                        max_position_embeddings: int = 4096, attention_block: int = 64,
+                        reduction_chunks: int = 8, pg_collection=None) -> ModuleSpec:
+    """A TransformerLayer spec: TonpRMSNorm -> TonpSelfAttention -> residual -> TonpRMSNorm ->
+    TonpSparseMoE (moe=True) or TonpDenseMLP -> residual."""
+    attn = dict(rotary_base=rotary_base, max_position_embeddings=max_position_embeddings,
+                attention_block=attention_block, reduction_chunks=reduction_chunks)
+    mlp = dict(reduction_chunks=reduction_chunks)
+    if pg_collection is not None:
+        mlp["pg_collection"] = pg_collection
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=TonpRMSNorm,
+            self_attention=ModuleSpec(module=TonpSelfAttention, params=attn),
+            self_attn_bda=tonp_bias_dropout_add,
+            pre_mlp_layernorm=TonpRMSNorm,
+            mlp=ModuleSpec(module=TonpSparseMoE if moe else TonpDenseMLP, params=mlp),
+            mlp_bda=tonp_bias_dropout_add,
+        ),
+    )
+
+
+def get_tonp_block_spec(config, **options) -> TransformerBlockSubmodules:
+    """A TransformerBlock spec for `config`: layer i is MoE where megatron's moe_layer_freq says
+    so (dense layers use ffn_hidden_size), and the final norm is TonpRMSNorm. `options` are
+    get_tonp_layer_spec's keywords. Refused TransformerConfig settings raise here."""
+    check_transformer_config(config)
+    specs = {m: get_tonp_layer_spec(moe=bool(m), **options) for m in (0, 1)}
+    return TransformerBlockSubmodules(layer_specs=[specs[m] for m in moe_layer_pattern(config)],
+                                      layer_norm=TonpRMSNorm)
+
+
+__all__ = ["get_tonp_layer_spec", "get_tonp_block_spec"]
