@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -49,8 +50,12 @@ def kernels_built() -> bool:
         return False
 
 
+STAT = statistics.median  # --stat min: the least disturbed run, on a shared (loaded) machine
+
+
 def timeit(fn, *, repeat: int, max_total_s: float) -> float:
-    """Median seconds per call after one warm-up; fewer repeats when a call is slow."""
+    """Seconds per call (median, or min with --stat min) after one warm-up; fewer repeats when
+    a call is slow."""
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0
@@ -60,7 +65,7 @@ def timeit(fn, *, repeat: int, max_total_s: float) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return STAT(times)
 
 
 def copy_bandwidth(quick: bool) -> float:
@@ -201,7 +206,10 @@ def markdown(linear_rows, attn_rows, meta) -> str:
     out = [f"# tonp kernel benchmark ({meta['date']})", "",
            f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
            f"memory copy {meta['copy_GBs']:.2f} GB/s (read + write). "
-           f"Median of up to {meta['repeat']} runs after a warm-up."
+           f"{meta['stat'].capitalize()} of up to {meta['repeat']} runs after a warm-up; "
+           f"load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after"
+           + (" (**the machine was busy: timings are unreliable**)."
+              if max(meta["load_before"], meta["load_after"]) > os.cpu_count() else ".")
            + ("" if meta["built"] else " **tonp kernels not built: torch columns only.**"), "",
            "## Linear (GFLOP/s; x = ratio to torch fp32 in this run)", "",
            "| shape | M | torch fp32 | torch bf16 | tonp fp32 | tonp bf16 | tonp fp32 / torch fp32 "
@@ -218,7 +226,8 @@ def markdown(linear_rows, attn_rows, meta) -> str:
                    f"{fmt(r.get('fp32_vs_torch_fp32'), 2)}x | "
                    f"{fmt(r.get('bf16_vs_torch_fp32'), 2)}x | {bw} | {met(r)} |")
     out += ["", "## Attention (Hq 32, Hkv 4, head_dim 128, block 64)", "",
-            "| case | dtype | torch SDPA | tonp | tonp / SDPA | target |", "|---|---|---|---|---|---|"]
+            "| case | dtype | torch SDPA | tonp | tonp / SDPA | target |",
+            "|---|---|---|---|---|---|"]
     for r in attn_rows:
         if r["op"] == "attention prefill":
             case = f"prefill 1 x {r['L']} tokens"
@@ -253,21 +262,27 @@ def main():
                    help="skip a torch bf16 GEMM predicted to take longer than this per call")
     p.add_argument("--max-total-s", type=float, default=6.0,
                    help="time budget of the repeats of one measurement")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="statistic over the repeats (min resists a loaded, shared machine)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     args.rows, args.prefill, args.contexts = ROWS, (1024, 2048), (1024, 4096)
     if args.quick:
         args.repeat, args.max_total_s, args.max_call_s = 2, 1.0, 2.0
         args.rows, args.prefill, args.contexts = (1, 64, 512), (256,), (1024,)
+    global STAT
+    STAT = min if args.stat == "min" else statistics.median
     tk.use("invariant")
     built = kernels_built()
     copy_gbs = copy_bandwidth(args.quick)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "built": built,
-            "copy_GBs": copy_gbs, "repeat": args.repeat, "quick": args.quick}
+            "copy_GBs": copy_gbs, "repeat": args.repeat, "quick": args.quick,
+            "stat": args.stat, "load_before": os.getloadavg()[0]}
     print(f"copy bandwidth {copy_gbs:.2f} GB/s; tonp kernels built: {built}", flush=True)
     linear_rows = bench_linear(args, built, copy_gbs)
     attn_rows = bench_attention(args, built)
+    meta["load_after"] = os.getloadavg()[0]
     md = markdown(linear_rows, attn_rows, meta)
     print("\n" + md)
     args.out.mkdir(parents=True, exist_ok=True)

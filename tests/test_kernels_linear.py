@@ -32,8 +32,8 @@ def _weights(K, N, dtype, gen, bias=False):
 @pytest.mark.parametrize("M", ROW_COUNTS)
 def test_row_does_not_depend_on_its_batch(M, K, N, dtype, gen):
     w, b = _weights(K, N, dtype, gen, bias=(N % 2 == 1))
-    check_row_invariance(lambda x: tk.linear(x, w, b), lambda n: [randn(n, K, dtype=dtype, gen=gen)],
-                         M)
+    check_row_invariance(lambda x: tk.linear(x, w, b),
+                         lambda n: [randn(n, K, dtype=dtype, gen=gen)], M)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
