@@ -7,8 +7,8 @@
 
 Prompts: --prompt TEXT (repeatable), --token-ids I,J,K (repeatable), or --prompts-file (JSONL
 lines with "prompt" (text) or "token_ids", or plain text, one prompt a line). Text is tokenized by
-the checkpoint's HF tokenizer when --hf has one (and --tokenizer is auto or hf), else by a byte
-tokenizer (UTF-8 bytes are ids 0..255, the config's bos_token_id first).
+the checkpoint's tokenizer.json when --hf has one, else as UTF-8 bytes (ids 0..255); the config's
+bos_token_id goes first unless --no-bos.
 Each output line: {"index", "prompt_ids", "completion_ids", "logprobs", "finish_reason"} plus
 "completion" (decoded text) when a tokenizer was used. The logprobs are what
 `model.token_logprobs(prompt_ids + completion_ids, temperature=T)` gives, bit for bit, in the
@@ -20,45 +20,16 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
 import torch
 
-import tonp_kernels as tk
-from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+import tonp_kernels as tk  # noqa: E402
+from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255, with an optional BOS id prepended (the tiny preset's
-    vocabulary is bytes + specials). Decoding drops ids >= 256."""
-
-    def __init__(self, vocab_size: int, bos_token_id: Optional[int] = None):
-        if vocab_size < 256:
-            raise ValueError(f"ByteTokenizer: the model's vocabulary ({vocab_size}) is smaller "
-                             f"than 256 byte ids; pass --token-ids instead of text")
-        self.bos = bos_token_id
-
-    def encode(self, text: str) -> List[int]:
-        return ([self.bos] if self.bos is not None else []) + list(text.encode("utf-8"))
-
-    def decode(self, ids: List[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A transformers tokenizer from a checkpoint directory (no special tokens added)."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(path)
-
-    def encode(self, text: str) -> List[int]:
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: List[int]) -> str:
-        return self.tok.decode(ids)
+from common import DTYPES, load_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a prompt as comma-separated token ids (repeatable)")
     p.add_argument("--prompts-file", help="JSONL ({'prompt': text} or {'token_ids': [...]}) "
                    "or plain text, one prompt a line")
-    p.add_argument("--tokenizer", choices=("auto", "byte", "hf"), default="auto")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend bos to text prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -104,19 +75,11 @@ def load_model(args) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(Qwen3MoeConfig.preset(args.preset), dtype=dtype).eval()
 
 
-def make_tokenizer(args, config):
-    has_hf = bool(args.hf) and any(os.path.exists(os.path.join(args.hf, f))
-                                   for f in ("tokenizer.json", "tokenizer_config.json"))
-    if args.tokenizer == "hf" or (args.tokenizer == "auto" and has_hf):
-        if not args.hf:
-            raise SystemExit("rollout.py: --tokenizer hf needs --hf PATH")
-        return HFTokenizer(args.hf)
-    return ByteTokenizer(config.vocab_size, config.bos_token_id)
-
-
 def read_prompts(args, tokenizer) -> List[List[int]]:
     """Every prompt as token ids, in the order: --prompt, --token-ids, --prompts-file."""
-    ids = [tokenizer.encode(t) for t in args.prompt]
+    bos = [] if args.no_bos or tokenizer.bos_id is None else [tokenizer.bos_id]
+    encode = lambda text: bos + tokenizer.encode(text)  # noqa: E731
+    ids = [encode(t) for t in args.prompt]
     for s in args.token_ids:
         try:
             ids.append([int(x) for x in s.split(",") if x.strip()])
@@ -135,9 +98,9 @@ def read_prompts(args, tokenizer) -> List[List[int]]:
                 if isinstance(obj, dict) and "token_ids" in obj:
                     ids.append([int(x) for x in obj["token_ids"]])
                 elif isinstance(obj, dict) and "prompt" in obj:
-                    ids.append(tokenizer.encode(obj["prompt"]))
+                    ids.append(encode(obj["prompt"]))
                 elif isinstance(obj, str):
-                    ids.append(tokenizer.encode(obj))
+                    ids.append(encode(obj))
                 else:
                     raise SystemExit(f"rollout.py: {args.prompts_file}:{n}: expected a JSON object "
                                      f"with 'prompt' or 'token_ids', or a line of text")
@@ -149,7 +112,7 @@ def read_prompts(args, tokenizer) -> List[List[int]]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = load_model(args)
-    tokenizer = make_tokenizer(args, model.config)
+    tokenizer = load_tokenizer(args.hf, model.config)
     prompts = read_prompts(args, tokenizer)
     eos = args.eos if args.eos is not None else model.config.eos_token_id
     with tk.use(args.mode):
