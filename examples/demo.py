@@ -144,7 +144,6 @@ def plot(results: List[Dict], path: str, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     model = build_model(args)
     c = model.config
     prompts = make_prompts(args, c.vocab_size)
