@@ -9,7 +9,7 @@
 
 namespace tonp {
 
-constexpr int kPanel = 16;  // output columns per packed weight panel
+constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
 constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 6-row micro tile)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
@@ -27,11 +27,12 @@ struct AttnQuery {
 
 struct Kernels {
   const char* name;
-  // Linear: rows [0, rows) of x (fp32, row stride ldx) times one packed weight panel
-  // (K x 16, fp32 or bf16) -> `ncols` <= 16 outputs per row. K = chunks * kc, each chunk a
-  // sequential FMA chain over k from 0, chunk partials combined by the pairwise tree.
-  void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* panel, Elem welem,
-                       int64_t kc, int chunks, const float* bias, int ncols, void* out,
+  // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
+  // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
+  // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
+  // chunk partials are combined by the pairwise tree. scratch: kc*16 + chunks*rows*16 floats.
+  void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
+                       Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch);
   // Causal attention for one query position and one KV head (G query heads), online softmax
   // over key blocks of `block` positions aligned to position 0.

@@ -51,21 +51,31 @@ static inline void micro_tile(const float* x, int64_t ldx, const float* w, int64
   }
 }
 
-static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* panel, Elem welem,
+// Copy W[0:ncols, k0:k0+kc] (rows of the weight, fp32 or bf16) transposed into wbuf [kc, 16]
+// fp32, zero-filling columns >= ncols. Pure data movement: it fixes no order of arithmetic.
+static void pack_chunk(const void* W, int64_t ldw, Elem we, int ncols, int64_t k0, int64_t kc, float* wbuf) {
+  for (int jb = 0; jb < kPanel; jb += 8) {
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+      V8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = jb + i < ncols ? loadv(W, (jb + i) * ldw + k0 + k, we) : vzero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) vstore(wbuf + (k + i) * kPanel + jb, r[i]);
+    }
+    for (; k < kc; ++k)
+      for (int i = 0; i < 8; ++i) wbuf[k * kPanel + jb + i] = jb + i < ncols ? load1(W, (jb + i) * ldw + k0 + k, we) : 0.f;
+  }
+}
+
+static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
-  float* wbuf = scratch;                   // [kc, 16] fp32 copy of a bf16 chunk
+  float* wbuf = scratch;                   // [kc, 16] this chunk of the panel, transposed, fp32
   float* part = scratch + kc * kPanel;     // [chunks, rows, 16] chunk partials
   const int64_t plane = rows * kPanel;
   for (int c = 0; c < chunks; ++c) {
-    const float* w;
-    if (welem == Elem::F32) {
-      w = static_cast<const float*>(panel) + c * kc * kPanel;
-    } else {
-      const uint16_t* src = static_cast<const uint16_t*>(panel) + c * kc * kPanel;
-      for (int64_t i = 0; i < kc * kPanel; i += 8) vstore(wbuf + i, vload(src + i));
-      w = wbuf;
-    }
+    pack_chunk(W, ldw, welem, ncols, c * kc, kc, wbuf);
+    const float* w = wbuf;
     const float* xc = x + c * kc;
     float* pc = part + c * plane;
     int64_t r = 0;

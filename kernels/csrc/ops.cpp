@@ -1,7 +1,6 @@
-// The torch-facing side of the tonp kernels: argument checks, allocation, weight packing, and
-// threading. Threads only ever receive whole outputs (row blocks x weight panels, (query, KV
-// head) pairs, rows); every reduction runs inside one call of a kernel from the ISA table, in an
-// order fixed by the weight shape and the row's own sequence. So the bits of a row depend on
+// The torch-facing side of the tonp kernels: argument checks, allocation and threading.
+// Threads only ever receive whole outputs (row blocks x weight panels, (query, KV head) pairs,
+// rows); every reduction runs inside one call of a kernel from the ISA table, in an order fixed by the weight shape and the row's own sequence. So the bits of a row depend on
 // neither M, nor the row's slot, nor the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -9,8 +8,6 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"
@@ -33,66 +30,18 @@ Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
   TORCH_CHECK(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
+// thread hand-off costs more than it saves. Only the split across threads depends on this,
+// never the arithmetic of an output.
+int64_t grain_for(int64_t cost_per_task) {
+  constexpr int64_t kMinWork = int64_t(1) << 18;
+  return std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, cost_per_task));
+}
+
 void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
   TORCH_CHECK(K % chunks == 0, "tonp.", op, ": the reduction size ", K, " is not divisible by chunks=", chunks);
 }
-
-// ---------------------------------------------------------------------------------------------
-// Weight packing: W [N, K] -> panels [ceil(N/16), K, 16] (same dtype, zero padded), cached per
-// weight and invalidated when the weight's storage dies, its version counter moves (in-place
-// update, optimizer step) or its view changes.
-// ---------------------------------------------------------------------------------------------
-struct PackEntry {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  int64_t version;
-  std::vector<int64_t> sizes, strides;
-  at::ScalarType dtype;
-  at::Tensor panels;
-};
-
-std::mutex g_pack_mu;
-std::unordered_map<const void*, PackEntry> g_pack;
-
-at::Tensor pack_panels(const at::Tensor& w) {
-  const int64_t N = w.size(0), Kd = w.size(1), np = (N + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({np * kPanel, Kd}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({np, kPanel, Kd}).transpose(1, 2).contiguous();  // exact copies
-}
-
-at::Tensor packed_weight(const at::Tensor& w) {
-  const int64_t version = w.is_inference() ? -1 : w._version();
-  const void* key = w.data_ptr();
-  c10::StorageImpl* storage = w.storage().unsafeGetStorageImpl();
-  {
-    std::lock_guard<std::mutex> lock(g_pack_mu);
-    auto it = g_pack.find(key);
-    if (it != g_pack.end()) {
-      auto& e = it->second;
-      auto alive = e.storage.lock();
-      if (alive.get() == storage && e.version == version && e.dtype == w.scalar_type() &&
-          e.sizes == w.sizes().vec() && e.strides == w.strides().vec())
-        return e.panels;
-    }
-  }
-  at::Tensor panels;
-  {
-    at::AutoDispatchBelowAutograd guard;  // packing is not part of any graph
-    c10::InferenceMode off(false);
-    panels = pack_panels(w.detach());
-  }
-  std::lock_guard<std::mutex> lock(g_pack_mu);
-  if (g_pack.size() >= 4096)  // drop entries whose weights are gone
-    for (auto it = g_pack.begin(); it != g_pack.end();)
-      it = it->second.storage.expired() ? g_pack.erase(it) : std::next(it);
-  g_pack.erase(key);
-  g_pack.emplace(key, PackEntry{w.storage().getWeakStorageImpl(), version, w.sizes().vec(), w.strides().vec(),
-                                w.scalar_type(), panels});
-  return panels;
-}
-
-at::ScalarType dtype_of(Elem e) { return e == Elem::F32 ? at::kFloat : at::kBFloat16; }
 
 // ---------------------------------------------------------------------------------------------
 // Ops
@@ -122,21 +71,23 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     return out;
   }
   const at::Tensor x = x_.to(at::kFloat).contiguous();
-  const at::Tensor panels = packed_weight(w);
+  // No packed copy is cached: each task transposes its panel's chunks into L1 scratch as it goes,
+  // so a weight rewritten in any way (optimizer step, .data copy, inference tensor) is seen.
+  const at::Tensor wc = w.contiguous();
   const int64_t kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + kRowBlock - 1) / kRowBlock;
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2;
   const float* xp = x.data_ptr<float>();
-  const char* pp = static_cast<const char*>(panels.data_ptr());
+  const char* wp = static_cast<const char*>(wc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
-  at::parallel_for(0, np * nmb, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kc * kPanel + chunks * kRowBlock * kPanel);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
       const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
       const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
-      kern->linear_panel(xp + r0 * Kd, Kd, rows, pp + p * Kd * kPanel * esz, welem, kc, int(chunks),
+      kern->linear_panel(xp + r0 * Kd, Kd, rows, wp + p * kPanel * Kd * esz, Kd, welem, kc, int(chunks),
                          bp ? bp + p * kPanel : nullptr, ncols, op + (r0 * N + p * kPanel) * osz, N, oelem,
                          scratch.data());
     }
@@ -155,7 +106,7 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const Kernels* kern = K();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(2 * H), [&](int64_t b, int64_t en) {
     for (int64_t r = b; r < en; ++r) kern->rms_norm(xp + r * H * esz, w.data_ptr(), op + r * H * esz, H, float(eps), e, we);
   });
   return out;
@@ -172,7 +123,7 @@ at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
   const char* up = static_cast<const char*>(u.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const Kernels* kern = K();
-  at::parallel_for(0, (n + blk - 1) / blk, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, (n + blk - 1) / blk, grain_for(16 * blk), [&](int64_t b, int64_t en) {
     for (int64_t i = b; i < en; ++i) {
       const int64_t s = i * blk, len = std::min(blk, n - s);
       kern->silu_mul(gp + s * esz, up + s * esz, op + s * esz, len, e);
@@ -222,7 +173,7 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
   const float* qp = q.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const Kernels* kern = K();
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, T * Hkv, grain_for(2 * G * D * (T / std::max<int64_t>(1, S) + 1)), [&](int64_t b, int64_t en) {
     std::vector<float> scratch(attn_scratch(G, D, block));
     for (int64_t task = b; task < en; ++task) {
       const int64_t t = task / Hkv, h = task % Hkv, s = seq_of[t];
@@ -264,7 +215,7 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
   const float* qp = q.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const Kernels* kern = K();
-  at::parallel_for(0, Tq * Hkv, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, Tq * Hkv, grain_for(2 * G * D * (Tq ? qpp[Tq - 1] + 1 : 1)), [&](int64_t b, int64_t en) {
     std::vector<float> scratch(attn_scratch(G, D, B));
     for (int64_t task = b; task < en; ++task) {
       const int64_t i = task / Hkv, h = task % Hkv;
@@ -304,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temp
   const int64_t esz = e == Elem::F32 ? 4 : 2;
   const char* xp = static_cast<const char*>(x.data_ptr());
   const Kernels* kern = K();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(16 * V), [&](int64_t b, int64_t en) {
     std::vector<float> mc(chunks), sc(chunks);
     for (int64_t r = b; r < en; ++r) {
       kern->lse_chunks(xp + r * V * esz, V, e, float(temperature), int(chunks), mc.data(), sc.data());
@@ -341,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x_) {
   (void)e;
   const int64_t M = x.size(0), V = x.size(1);
   at::Tensor val = at::empty({M}, x.options()), idx = at::empty({M}, x.options().dtype(at::kLong));
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(V), [&](int64_t b, int64_t en) {
     for (int64_t r = b; r < en; ++r) {
       const float* row = x.data_ptr<float>() + r * V;
       int64_t best = 0;
@@ -373,7 +324,7 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   const float T = float(temperature);
   const Kernels* kern = K();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(64 * V), [&](int64_t b, int64_t en) {
     std::vector<float> y(V);
     std::vector<int64_t> order(V);
     std::vector<char> keep(V);
@@ -427,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k
   TORCH_CHECK(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
   at::Tensor ids = at::empty({M, top_k}, x.options().dtype(at::kLong)), w = at::empty({M, top_k}, x.options());
   const Kernels* kern = K();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(16 * E * top_k), [&](int64_t b, int64_t en) {
     std::vector<float> p(E);
     std::vector<char> taken(E);
     for (int64_t r = b; r < en; ++r) {
@@ -469,7 +420,7 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
   const char* yp = static_cast<const char*>(y.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const Kernels* kern = K();
-  at::parallel_for(0, M, 1, [&](int64_t b, int64_t en) {
+  at::parallel_for(0, M, grain_for(Kk * H), [&](int64_t b, int64_t en) {
     for (int64_t r = b; r < en; ++r) kern->moe_combine(w.data_ptr<float>() + r * Kk, yp + r * Kk * H * esz, op + r * H * esz, Kk, H, e);
   });
   return out;
