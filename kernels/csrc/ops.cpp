@@ -1,7 +1,8 @@
 // The torch-facing side of the tonp kernels: argument checks, allocation and threading.
 // Threads only ever receive whole outputs (row blocks x weight panels, (query, KV head) pairs,
-// rows); every reduction runs inside one call of a kernel from the ISA table, in an order fixed by the weight shape and the row's own sequence. So the bits of a row depend on
-// neither M, nor the row's slot, nor the thread count.
+// rows); every reduction runs inside one call of a kernel from the ISA table, in an order fixed
+// by the weight shape and the row's own sequence. So the bits of a row depend on neither M, nor
+// the row's slot, nor the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
