@@ -6,6 +6,7 @@ the diagnosis; unmodified paths must report "no divergence" (decode equals the f
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -169,6 +170,19 @@ def test_precision_cast(model, seqs, reference, monkeypatch):
         dg.format_text(diag)
 
 
+def test_two_checkpoints(model, seqs, tmp_path):
+    """One weight changed in layer 2's router: "weights differ" there, via the public API."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.layers[2].mlp.gate[1, 0] += 0.01
+    diag = dg.diagnose(model, seqs, "train", "train", model_b=other, out_dir=str(tmp_path))
+    f = diag.first
+    assert (f.layer, f.op, f.classification) == (2, "router_logits", dg.WEIGHTS), \
+        dg.format_text(diag)
+    assert "layers.2.mlp.gate" in f.detail
+    assert json.load(open(tmp_path / "diagnosis.json"))["first"]["op"] == "router_logits"
+
+
 def _external_file(model, seqs, path, perturb):
     """tonp's own logprobs in three exported shapes, one token perturbed by +0.5."""
     lps = [lp.tolist() for lp in model.token_logprobs(seqs)]
@@ -223,3 +237,24 @@ def test_bad_input():
         dg.PathSpec.parse("train,fast")
     with pytest.raises(ValueError, match="logprobs"):
         dg.parse_record({"token_ids": [1, 2, 3], "logprobs": [0.0] * 5})
+
+
+def _layouts_rank(ckpt):
+    from tonp_models.diagnose.layout import run_layout
+    seqs = random_seqs((5, 3), 320, seed=2)
+    a = run_layout(ckpt, seqs, dg.PathSpec.parse("train"))
+    b = run_layout(ckpt, seqs, dg.PathSpec.parse("decode,tp=2"))
+    if a is None:
+        return None
+    diag = dg.compare_traces(a, b)
+    return dict(first=diag.first, ops=len(diag.ops), only_b=diag.one_sided["b"],
+                logdiff=diag.logdiff, mismatch=b.meta.get("rank_mismatch"))
+
+
+def test_tp2_layout_equals_tp1(model, tmp_path):
+    """Captured per rank, merged on rank 0 (column shards concatenated): TP 2 decode vs TP 1."""
+    from dist_utils import run_distributed
+    model.save_pretrained(tmp_path / "ckpt")
+    out = run_distributed(_layouts_rank, 2, str(tmp_path / "ckpt"), timeout=240)[0]
+    assert out["first"] is None and out["logdiff"] == 0.0 and out["mismatch"] is None, out
+    assert out["ops"] > 60 and "layer 1 o_proj.reduce" in out["only_b"]

@@ -23,8 +23,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .capture import Capture, Record, Trace, probe
-from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, Diagnosis,
-                      OpDiff, compare_traces)
+from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, WEIGHTS,
+                      Diagnosis, OpDiff, compare_traces, differing_parameters)
 from .external import (ExternalReport, ExternalSequence, compare_external, load_jsonl,
                        parse_record, write_external_report)
 from .paths import PathSpec, run_path
@@ -53,14 +53,14 @@ def diagnose(model, sequences: Sequence[torch.Tensor], a: Union[str, PathSpec] =
         labels = [labels[0] + " (A)", labels[1] + " (B)"]
     traces = [run_path(m, sequences, s.kind, mode=s.mode, prompt_lens=prompt_lens, label=lab)
               for m, s, lab in zip((model, model_b or model), specs, labels)]
-    diag = compare_traces(*traces)
+    diag = compare_traces(*traces, differing_parameters(model, model_b or model))
     if out_dir is not None:
         write_report(diag, out_dir)
     return diag
 
 
 __all__ = ["diagnose", "Capture", "Record", "Trace", "probe", "PathSpec", "run_path",
-           "compare_traces", "Diagnosis", "OpDiff", "CLASSES", "OPERATOR", "ROUTING",
-           "COLLECTIVE", "PRECISION", "PROPAGATED", "format_text", "to_json", "write_report",
+           "compare_traces", "differing_parameters", "Diagnosis", "OpDiff", "CLASSES", "OPERATOR",
+           "ROUTING", "COLLECTIVE", "PRECISION", "WEIGHTS", "PROPAGATED", "format_text", "to_json", "write_report",
            "NO_DIVERGENCE", "ExternalSequence", "ExternalReport", "parse_record", "load_jsonl",
            "compare_external", "write_external_report"]

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from ..qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from .compare import compare_traces
+from .compare import compare_traces, differing_parameters
 from .external import compare_external, format_external, load_jsonl, write_external_report
 from .layout import run_layout
 from .paths import PathSpec, run_path
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             la, lb = f"{la} ({args.hf or args.preset})", f"{lb} ({b_path})"
         traces = [run_path(m, seqs, s.kind, mode=s.mode, prompt_lens=pls, label=lab)
                   for m, s, lab in ((model_a, specs[0], la), (model_b, specs[1], lb))]
-        diag = compare_traces(*traces)
+        diag = compare_traces(*traces, differing_parameters(model_a, model_b))
         write_report(diag, args.out)
         print(format_text(diag))
     if args.external:

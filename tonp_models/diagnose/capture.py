@@ -69,7 +69,12 @@ class Trace:
 
     def gather(self, layer: Optional[int], op: str) -> Optional[Tuple[torch.Tensor, torch.Tensor, str]]:
         """(keys [R, 3], values [R, ...], kind) of every record of (layer, op), concatenated."""
-        recs = [r for r in self.records if r.layer == layer and r.op == op]
+        if getattr(self, "_index_size", None) != len(self.records):
+            self._index: Dict[Tuple[Optional[int], str], List[Record]] = {}
+            for r in self.records:
+                self._index.setdefault((r.layer, r.op), []).append(r)
+            self._index_size = len(self.records)
+        recs = self._index.get((layer, op), [])
         if not recs:
             return None
         shapes = {tuple(r.value.shape[1:]) for r in recs}
@@ -143,9 +148,11 @@ class Capture:
         self._stack.clear()
 
     def record(self, op: str, value: torch.Tensor, *, keys: Optional[torch.Tensor] = None,
-               layer="auto", kind: str = "op", shard_dim: Optional[int] = None) -> None:
+               layer="auto", kind: str = "op", shard_dim: Optional[int] = None,
+               module: Optional[str] = None) -> None:
         """Store a copy of `value` [R, ...]; keys default to the current forward's rows, layer
-        ("auto") to the innermost running module's layer (None = outside the layers)."""
+        ("auto") to the innermost running module's layer (None = outside the layers), module
+        (the name of the module whose weights the op uses) to the innermost running module."""
         if kind not in KINDS:
             raise ValueError(f"Capture.record: kind must be one of {KINDS}, got {kind!r}")
         if keys is None:
@@ -156,8 +163,11 @@ class Capture:
         if value.shape[0] != keys.shape[0]:
             raise ValueError(f"Capture: {op!r} has {value.shape[0]} rows but the forward has "
                              f"{keys.shape[0]} named rows (logits_rows is not supported here)")
+        if module is None:
+            module = self._current()[0]
         if layer == "auto":
-            layer = _layer_of(self._current()[0])
+            layer = _layer_of(module)
+        self.trace.meta.setdefault("modules", {}).setdefault((layer, op), module)
         self.trace.records.append(Record(layer, op, keys.clone(), value.detach().clone(), kind,
                                          shard_dim, self.rank))
 
@@ -230,7 +240,8 @@ class Capture:
                 self.record("q_rope", out[0], shard_dim=shard)
                 self.record("k_rope", out[1], shard_dim=shard)
             else:
-                self.record(op, out, layer=layer, shard_dim=_shard_dim(op, mod, parent))
+                self.record(op, out, layer=layer, shard_dim=_shard_dim(op, mod, parent),
+                            module=name)
         return hook
 
     def _on_residual(self, module, args):
@@ -308,7 +319,14 @@ class Capture:
     def _experts_wrapper(self, mod):
         original = type(mod)._run_local_experts.__get__(mod)
 
-        def run(x, token_of_row, counts):
+        def run(*args, **kw):
+            if getattr(mod, "ep_size", 1) > 1 or len(args) != 3 or kw:
+                # Under EP the rows an expert receives come from other ranks' tokens: which
+                # token each row is needs the dispatch plan, so expert rows are not captured
+                # (routing and the token-owned combine still are).
+                self.trace.meta["expert_rows"] = "not captured (expert parallelism)"
+                return original(*args, **kw)
+            x, token_of_row, counts = args
             starts, s = {}, 0
             for e in range(mod.local_experts):
                 starts[mod.first_expert + e] = s

@@ -11,14 +11,15 @@ differing row that is not tainted is an origin of divergence, classified as:
   partial was equal;
 * "precision cast": the dtypes differ, or the values agree once rounded to bfloat16/float16 and
   one side already holds such rounded values;
-* "operator arithmetic": the op's inputs were bitwise equal (every earlier op matched for the
-  token and its prefix) and its output differs.
+* "weights differ": two checkpoints hold different parameters for the module of the op;
+* "operator arithmetic": the op's inputs (and weights) were bitwise equal (every earlier op
+  matched for the token and its prefix) and its output differs.
 Differing rows that are tainted are "input already differed" (propagation).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +30,8 @@ ROUTING = "routing decision flipped"
 COLLECTIVE = "collective order"
 PRECISION = "precision cast"
 PROPAGATED = "input already differed"
-CLASSES = (OPERATOR, ROUTING, COLLECTIVE, PRECISION, PROPAGATED)
+WEIGHTS = "weights differ"
+CLASSES = (OPERATOR, ROUTING, COLLECTIVE, PRECISION, WEIGHTS, PROPAGATED)
 MAX_POSITIONS = 64  # differing rows listed per op
 
 
@@ -237,9 +239,26 @@ class _Taint:
         return (layer - 1, "layer_out")
 
 
-def compare_traces(a: Trace, b: Trace) -> Diagnosis:
-    """Compare trace A with trace B op by op (see the module doc) -> Diagnosis."""
+def differing_parameters(model_a, model_b) -> List[str]:
+    """Names of the parameters (and buffers) whose shape, dtype or bits differ between models."""
+    if model_a is model_b:
+        return []
+    pa = dict(model_a.named_parameters())
+    pa.update(model_a.named_buffers())
+    pb = dict(model_b.named_parameters())
+    pb.update(model_b.named_buffers())
+    return sorted(n for n in set(pa) | set(pb)
+                  if n not in pa or n not in pb or pa[n].shape != pb[n].shape or
+                  pa[n].dtype != pb[n].dtype or not torch.equal(pa[n], pb[n]))
+
+
+def compare_traces(a: Trace, b: Trace, changed_params: Sequence[str] = ()) -> Diagnosis:
+    """Compare trace A with trace B op by op (see the module doc) -> Diagnosis.
+
+    changed_params: parameter names that differ between the two paths' models (see
+    `differing_parameters`), to tell "weights differ" from "operator arithmetic"."""
     diag = Diagnosis(a.label, b.label)
+    modules = {**b.meta.get("modules", {}), **a.meta.get("modules", {})}
     order_a, order_b = a.op_order(), b.op_order()
     sa, sb = set(order_a), set(order_b)
     diag.one_sided = {"a": [_name(k) for k in order_a if k not in sb],
@@ -283,6 +302,16 @@ def compare_traces(a: Trace, b: Trace) -> Diagnosis:
         fresh = bad.nonzero().squeeze(1)[~tainted]
         if fresh.numel():
             res.classification, res.detail = _classify(kind, xa[fresh], xb[fresh])
+            mod = modules.get((layer, op))
+            changed = [n for n in changed_params if mod and n.startswith(mod + ".")]
+            if changed and res.classification == OPERATOR:
+                res.classification = WEIGHTS
+                res.detail = "the models' parameters differ here: " + ", ".join(changed[:8])
+            if kind == "route":
+                i = int(fresh[0])
+                s_, p_, _ = keys[i].tolist()
+                res.detail += (f"; e.g. seq {s_} pos {p_}: experts {xa[i].tolist()} on A vs "
+                               f"{xb[i].tolist()} on B")
             if tainted.any():
                 res.detail += f"; {int(tainted.sum())} other rows had inputs that already differed"
             diag.origins.append(res)
@@ -299,5 +328,5 @@ def _name(k) -> str:
     return f"{'model' if layer is None else 'layer ' + str(layer)} {op}"
 
 
-__all__ = ["OpDiff", "Diagnosis", "compare_traces", "align", "differing_rows", "CLASSES",
+__all__ = ["OpDiff", "Diagnosis", "compare_traces", "differing_parameters", "WEIGHTS", "align", "differing_rows", "CLASSES",
            "OPERATOR", "ROUTING", "COLLECTIVE", "PRECISION", "PROPAGATED"]
