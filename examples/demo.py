@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     c = model.config
     prompts = make_prompts(args, c.vocab_size)
     print(f"model: {args.hf or 'random ' + args.preset} ({c.num_hidden_layers} layers, "
-          f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), {args.dtype}, "
-          f"{torch.get_num_threads()} threads")
+          f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), "
+          f"{args.dtype}, {torch.get_num_threads()} threads")
     print(f"rollout: {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens, "
           f"{args.new_tokens} new tokens, temperature {args.temperature}, "
           f"{args.max_batch_size} slots (continuous batching); scoring: reversed order, padded "

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tonp_kernels as tk
-from conftest import assert_bitwise
+from conftest import assert_bitwise, num_threads
 from tonp_models import GenerationOutput, Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
 from tonp_models.layers import CacheFullError
 
@@ -146,6 +146,16 @@ def test_request_is_the_same_alone_and_in_any_batch(sampling):
     assert_same_rollouts(got, want, "among other companions, with preemption")
 
 
+def test_rollout_is_the_same_with_1_and_2_threads():
+    model = tiny_model(torch.bfloat16)
+    ps = prompts()[:4]
+    with num_threads(1):
+        one = generate(model, ps, NEW, temperature=1.0, seed=8, max_batch_size=2)
+    with num_threads(2):
+        two = generate(model, ps, NEW, temperature=1.0, seed=8, max_batch_size=3)
+    assert_same_rollouts(two, one, "2 threads vs 1 thread")
+
+
 def test_request_depends_on_batch_with_stock_torch(torch_mode):
     """Twin: with stock torch ops a request's logprobs change with its batch (one slot, i.e.
     each request alone, vs all together)."""
@@ -175,7 +185,7 @@ def test_seeded_sampling_is_reproducible_and_follows_the_seed():
 
 def test_greedy_logprobs_are_plain_log_softmax():
     model = tiny_model(torch.float32)
-    out = generate(model, prompts()[:3], 4)
+    out = generate(model, prompts()[:3], 4, progress=True)
     for seq, lp, p in zip(out.sequences, out.logprobs, out.prompt_lengths):
         logits = model(seq[:-1])[p - 1:]
         assert torch.equal(seq[p:], tk.argmax(logits))
