@@ -60,7 +60,8 @@ def diagnose(model, sequences: Sequence[torch.Tensor], a: Union[str, PathSpec] =
 
 
 __all__ = ["diagnose", "Capture", "Record", "Trace", "probe", "PathSpec", "run_path",
-           "compare_traces", "differing_parameters", "Diagnosis", "OpDiff", "CLASSES", "OPERATOR",
-           "ROUTING", "COLLECTIVE", "PRECISION", "WEIGHTS", "PROPAGATED", "format_text", "to_json", "write_report",
-           "NO_DIVERGENCE", "ExternalSequence", "ExternalReport", "parse_record", "load_jsonl",
-           "compare_external", "write_external_report"]
+           "compare_traces", "differing_parameters", "Diagnosis", "OpDiff", "CLASSES",
+           "OPERATOR", "ROUTING", "COLLECTIVE", "PRECISION", "WEIGHTS", "PROPAGATED",
+           "format_text", "to_json", "write_report", "NO_DIVERGENCE", "ExternalSequence",
+           "ExternalReport", "parse_record", "load_jsonl", "compare_external",
+           "write_external_report"]

@@ -67,7 +67,8 @@ class Trace:
             seen.setdefault((r.layer, r.op), None)
         return list(seen)
 
-    def gather(self, layer: Optional[int], op: str) -> Optional[Tuple[torch.Tensor, torch.Tensor, str]]:
+    def gather(self, layer: Optional[int], op: str
+               ) -> Optional[Tuple[torch.Tensor, torch.Tensor, str]]:
         """(keys [R, 3], values [R, ...], kind) of every record of (layer, op), concatenated."""
         if getattr(self, "_index_size", None) != len(self.records):
             self._index: Dict[Tuple[Optional[int], str], List[Record]] = {}

@@ -258,6 +258,8 @@ def compare_traces(a: Trace, b: Trace, changed_params: Sequence[str] = ()) -> Di
     changed_params: parameter names that differ between the two paths' models (see
     `differing_parameters`), to tell "weights differ" from "operator arithmetic"."""
     diag = Diagnosis(a.label, b.label)
+    diag.meta = {side: {k: v for k, v in t.meta.items() if k != "modules"}
+                 for side, t in (("a", a), ("b", b))}
     modules = {**b.meta.get("modules", {}), **a.meta.get("modules", {})}
     order_a, order_b = a.op_order(), b.op_order()
     sa, sb = set(order_a), set(order_b)
@@ -328,5 +330,6 @@ def _name(k) -> str:
     return f"{'model' if layer is None else 'layer ' + str(layer)} {op}"
 
 
-__all__ = ["OpDiff", "Diagnosis", "compare_traces", "differing_parameters", "WEIGHTS", "align", "differing_rows", "CLASSES",
-           "OPERATOR", "ROUTING", "COLLECTIVE", "PRECISION", "PROPAGATED"]
+__all__ = ["OpDiff", "Diagnosis", "compare_traces", "differing_parameters", "align",
+           "differing_rows", "DEPS", "CLASSES", "OPERATOR", "ROUTING", "COLLECTIVE", "PRECISION",
+           "WEIGHTS", "PROPAGATED"]

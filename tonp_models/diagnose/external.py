@@ -49,8 +49,8 @@ def _value(entry, token: int) -> float:
         return math.nan
     if isinstance(entry, (int, float)):
         return float(entry)
-    if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (int, float, type(None))):
-        return _value(entry[0], token)  # SGLang's (logprob, token_id, text)
+    if isinstance(entry, (list, tuple)) and entry:  # SGLang's (logprob, token_id, text)
+        return _value(entry[0], token)
     if isinstance(entry, dict):
         if "logprob" in entry:
             return _value(entry["logprob"], token)

@@ -31,6 +31,13 @@ def format_text(diag: Diagnosis) -> str:
         if ops:
             lines.append(f"captured on path {side.upper()} only (not compared): "
                          + ", ".join(ops[:20]) + (" ..." if len(ops) > 20 else ""))
+    for side in ("a", "b"):
+        meta = diag.meta.get(side, {})
+        if meta.get("rank_mismatch"):
+            lines.append(f"WARNING: on path {side.upper()} the TP ranks hold different bits for "
+                         f"replicated results: " + ", ".join(meta["rank_mismatch"][:10]))
+        if meta.get("expert_rows"):
+            lines.append(f"note: path {side.upper()} expert rows {meta['expert_rows']}")
     lines.append("")
     if not diag.diverged:
         lines.append(f"RESULT: {NO_DIVERGENCE}. Every captured op is bitwise equal for every "
