@@ -19,6 +19,7 @@
   the same way; if the whole run exceeds `timeout` seconds, every rank is terminated and
   `TimeoutError` names the ranks that did not finish. Collectives also time out after
   `timeout` seconds inside the ranks (init_process_group's timeout).
+* Keyword arguments: pass `functools.partial(fn, key=value)` (picklable when fn is).
 * Each spawn costs a few seconds (importing torch): batch many checks into one run.
 """
 from __future__ import annotations

@@ -347,7 +347,7 @@ def test_bad_layouts_raise_clear_errors():
 def test_a_failing_rank_fails_the_run_fast():
     start = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 failed") as e:
-        run_distributed(_rank1_raises, 2, timeout=45)
+        run_distributed(_rank1_raises, 2, timeout=45, init=False)
     assert "ValueError: rank 1 is broken" in str(e.value)
     assert time.monotonic() - start < 30  # rank 0 was blocked in a collective: not waited for
 
@@ -361,6 +361,7 @@ def test_a_hanging_run_times_out():
 
 
 def _rank1_raises():
-    if dist.get_rank() == 1:
+    groups = tpar.init_parallel(tp=2)  # from torchrun's environment, as under torchrun
+    if groups.tp_rank == 1:
         raise ValueError("rank 1 is broken")
-    dist.all_reduce(torch.ones(3))  # would wait forever for rank 1
+    tpar.tree_all_reduce(torch.ones(3), groups.tp_group)  # would wait forever for rank 1
