@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -40,10 +40,9 @@ import tonp_parallel as tpar  # noqa: E402
 from tonp_models import Qwen3MoeConfig  # noqa: E402
 
 import make_corpus  # noqa: E402
-from checkpointing import CheckpointManager, rng_state, set_rng_state  # noqa: E402
-from common import (DTYPES, ByteTokenizer, GradSync, MasterWeights, MetricLogger,  # noqa: E402
-                    WindowSampler, build_model, build_optimizer, check_vocab, load_tokens,
-                    plot_curves, setup_parallel, warmup_cosine, window_rows)
+from common import (DTYPES, ByteTokenizer, MetricLogger, WindowSampler,  # noqa: E402
+                    check_vocab, load_tokens, plot_curves, window_rows)
+from trainer import Trainer, build_model, setup_parallel  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,20 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--token-dtype", choices=["uint16", "uint32"], help="dtype of a token file")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail for eval")
     ap.add_argument("--out", default="out/pretrain")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype")
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant",
                     help="tonp kernel mode")
-    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=2)
-    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--resume", nargs="?", const="latest", default=None,
                     help="continue from a checkpoint dir, or the latest under <out>/ckpt")
@@ -152,35 +151,18 @@ def _train(args, groups, expert_dp) -> Dict:
                             groups.dp_rank, groups.dp_size)
 
     model = build_model(config, DTYPES[args.dtype], groups, args.seed)
-    master = MasterWeights(model)
-    opt = build_optimizer(master, args.lr, args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine(args.warmup, args.steps, args.min_lr_ratio))
-    sync = GradSync(model, master, groups, expert_dp)
-    ckpt = CheckpointManager(os.path.join(args.out, "ckpt"), args.keep_last, groups)
-    meta = run_meta(args, config, groups)
-
-    start = 0
-    if args.resume:
-        path = ckpt.latest() if args.resume == "latest" else args.resume
-        if path is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.root}")
-        s = ckpt.load(path, expect=meta)
-        model.load_state_dict(s["model"])
-        master.load_state_dict(s["master"])
-        opt.load_state_dict(s["optimizer"])
-        sched.load_state_dict(s["scheduler"])
-        sampler.load_state_dict(s["data"])
-        set_rng_state(s["rng"])
-        start = s["meta"]["step"]
+    trainer = Trainer(model, groups, expert_dp, lr=args.lr, weight_decay=args.weight_decay,
+                      warmup=args.warmup, total_steps=args.steps, min_lr_ratio=args.min_lr_ratio,
+                      grad_clip=args.grad_clip, ckpt_dir=os.path.join(args.out, "ckpt"),
+                      keep_last=args.keep_last, meta=run_meta(args, config, groups))
+    start, state = trainer.resume(args.resume)
+    if state:
+        sampler.load_state_dict(state["data"])
         if is_main:
-            print(f"resumed from {path} at step {start}")
+            print(f"resumed from {state['path']} at step {start}")
 
     def save(step: int) -> str:
-        state = {"model": model.state_dict(), "master": master.state_dict(),
-                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "data": sampler.state_dict(), "rng": rng_state()}
-        return ckpt.save(step, state, meta)
+        return trainer.save(step, extra={"data": sampler.state_dict()})
 
     log = MetricLogger(args.out, enabled=is_main, resume=bool(args.resume))
     losses: Dict[int, float] = {}
@@ -192,21 +174,14 @@ def _train(args, groups, expert_dp) -> Dict:
     for step in bar:
         t0 = time.perf_counter()
         batch = sampler.next_batch()                                   # (B, L+1)
-        for p in model.parameters():
-            p.grad = None
+        trainer.zero_grad()
         loss = lm_loss(model, batch)
         loss.backward()
-        master.grads_to_master()
-        sync.average()
-        gnorm = sync.clip(args.grad_clip)
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
-        master.master_to_model()
+        stats = trainer.step()
         dt = time.perf_counter() - t0
         n = step + 1
         losses[n] = float(loss.detach())
-        row = {"step": n, "loss": losses[n], "lr": lr, "grad_norm": gnorm,
+        row = {"step": n, "loss": losses[n], **stats,
                "tokens_per_s": batch[:, 1:].numel() * groups.dp_size / dt}
         if args.eval_every and (n % args.eval_every == 0 or n == args.steps):
             evals[n] = row["eval_loss"] = evaluate(model, val_tokens, args.seq_len,
@@ -223,7 +198,7 @@ def _train(args, groups, expert_dp) -> Dict:
     if last_saved != final and final > start:
         save(final)
     out = {"losses": losses, "eval": evals, "model": model, "out": args.out, "step": final,
-           "checkpoint": ckpt.latest()}
+           "checkpoint": trainer.ckpt.latest()}
     if final == args.steps and not args.no_export:
         out["hf"] = export_hf(model, os.path.join(args.out, "hf"), groups)
     log.close()

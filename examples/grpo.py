@@ -1,0 +1,268 @@
+"""True on-policy RL (GRPO with a PPO-clip loss) with one model as trainer and rollout engine.
+
+    python examples/grpo.py                          # tiny model, digit-copy task, invariant kernels
+    python examples/grpo.py --mode torch             # stock torch ops: logdiff > 0, ratio != 1
+    python examples/grpo.py --init out/pretrain/hf --task reverse
+    torchrun --nproc-per-node 2 examples/grpo.py     # data parallel (each rank its own prompts)
+
+Each step: draw P prompts, sample G responses per prompt with `tonp_models.generate`
+(temperature T, the rollout engine: paged KV cache, decode), score them (the task's verifiable
+reward), turn rewards into group-relative advantages A = (r - mean_group) / (std_group + eps),
+then take --inner-steps optimizer steps on the PPO-clip loss
+
+    ratio = exp(logp_train - logp_rollout),  loss = -mean min(ratio * A, clip(ratio, 1 +- eps) * A)
+
+where logp_train = `model.token_logprobs(sequences, temperature=T)` is the training forward
+(full causal pass, differentiable). On the first inner step the policy has not moved, so in the
+invariant kernel mode logp_train equals logp_rollout bit for bit: the logged logdiff
+(max |logp_train - logp_rollout| over response tokens) is exactly 0.0 and every importance
+ratio exactly 1. With `--mode torch` (stock torch ops) they are not: that gap is what tonp removes.
+
+Task (byte tokenizer; prompt = bos + digits + ">" ; response = answer + eos):
+  copy:    "4071>" -> "4071"      reverse: "4071>" -> "1704"      add: "3+5>" -> "8"
+Reward = characters in the right place / max(len(answer), len(response)), so partial credit is
+dense and a response of the wrong length loses. Warm start: --sft-steps supervised steps on the
+task (teacher-forced answers, default 30) give the randomly initialised tiny model the response
+format and a low starting reward; every step after that is RL only (logged with phase="rl").
+Use --sft-steps 0 with --init <a pretrained HF dir> to start from a checkpoint instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tonp_kernels as tk  # noqa: E402
+from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
+
+from checkpointing import CheckpointManager, rng_state  # noqa: E402
+from common import DTYPES, ByteTokenizer, MetricLogger, plot_curves, response_loss  # noqa: E402
+from trainer import (GradSync, MasterWeights, build_model, build_optimizer,  # noqa: E402
+                     setup_parallel)
+
+TASKS = ("copy", "reverse", "add")
+
+
+# -- the task -------------------------------------------------------------------------------------
+def make_problem(task: str, rng: random.Random, digits: int) -> Tuple[str, str]:
+    """(question, answer) strings: the prompt text before ">" and the expected response."""
+    if task == "add":
+        a, b = rng.randrange(10), rng.randrange(10)
+        return f"{a}+{b}", str(a + b)
+    n = rng.randint(max(1, digits - 1), digits)
+    s = "".join(str(rng.randrange(10)) for _ in range(n))
+    return s, (s if task == "copy" else s[::-1])
+
+
+def encode_prompt(tok: ByteTokenizer, question: str) -> List[int]:
+    return [tok.bos_id] + tok.encode(question + ">")
+
+
+def reward(response: Sequence[int], answer: str, tok: ByteTokenizer) -> float:
+    """Fraction of answer characters in place; a response longer or shorter than the answer is
+    scored over the longer of the two. `response` excludes the prompt; it ends at eos if any."""
+    ids = list(response)
+    if tok.eos_id in ids:
+        ids = ids[:ids.index(tok.eos_id)]
+    got = tok.encode(answer)
+    hits = sum(1 for a, b in zip(ids, got) if a == b)
+    return hits / max(len(got), len(ids), 1)
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [P, G] -> (r - group mean) / (group std + eps) [P, G] (0 for a uniform group)."""
+    mean = rewards.mean(1, keepdim=True)
+    std = rewards.std(1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + eps)
+
+
+# -- one RL step ----------------------------------------------------------------------------------
+def ppo_clip_loss(lp_train: List[torch.Tensor], lp_old: List[torch.Tensor],
+                  adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """Per-sequence mean of -min(ratio*A, clip(ratio)*A) over its response tokens, then the mean
+    over sequences. lp_train/lp_old: fp32 [n_i] per sequence; adv: [N]."""
+    per_seq = []
+    for lt, lo, a in zip(lp_train, lp_old, adv.tolist()):
+        ratio = torch.exp(lt - lo)
+        obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+        per_seq.append(-obj.mean())
+    return torch.stack(per_seq).mean()
+
+
+def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Dict:
+    """Rollouts, rewards, advantages and `args.inner_steps` PPO-clip updates; returns the metrics."""
+    rng = random.Random(args.seed * 1_000_003 + step * 1009 + groups.dp_rank)
+    problems = [make_problem(args.task, rng, args.digits) for _ in range(args.prompts)]
+    prompts = [encode_prompt(tok, q) for q, _ in problems for _ in range(args.group_size)]
+    answers = [a for _, a in problems for _ in range(args.group_size)]
+    max_new = max(len(a) for a in answers) + 2
+    base = (step * groups.dp_size + groups.dp_rank) * len(prompts)      # unique noise keys
+    t0 = time.perf_counter()
+    out = generate(model, prompts, max_new, eos_token_id=tok.eos_id, temperature=args.temperature,
+                   seed=args.seed, request_ids=range(base, base + len(prompts)),
+                   max_batch_size=args.rollout_batch)
+    t_roll = time.perf_counter() - t0
+    rewards = torch.tensor([reward(c, a, tok) for c, a in zip(out.completions, answers)])
+    adv = group_advantages(rewards.view(args.prompts, args.group_size)).reshape(-1)
+    starts = out.prompt_lengths
+    row: Dict = {"reward": float(rewards.mean()),
+                 "solved": float((rewards == 1).float().mean()),
+                 "response_len": float(sum(out.num_new_tokens) / len(prompts)),
+                 "rollout_tokens_per_s": out.stats.tokens_per_s}
+    t1 = time.perf_counter()
+    train_tokens = 0
+    for inner in range(args.inner_steps):
+        for p in model.parameters():
+            p.grad = None
+        lps = model.token_logprobs(out.sequences, temperature=args.temperature)
+        lp_train = [lp[s - 1:] for lp, s in zip(lps, starts)]          # response tokens only
+        if inner == 0:
+            diff = torch.cat([(a.detach() - b).abs() for a, b in zip(lp_train, out.logprobs)])
+            ratio = torch.exp(torch.cat([a.detach() - b for a, b in zip(lp_train, out.logprobs)]))
+            row.update(logdiff=float(diff.max()), ratio_min=float(ratio.min()),
+                       ratio_max=float(ratio.max()), ratio_mean=float(ratio.mean()),
+                       ratio_is_one=bool(torch.equal(ratio, torch.ones_like(ratio))))
+        loss = ppo_clip_loss(lp_train, out.logprobs, adv, args.clip_eps)
+        loss.backward()
+        master.grads_to_master()
+        sync.average()
+        row["grad_norm"] = sync.clip(args.grad_clip)
+        opt.step()
+        sched.step()
+        master.master_to_model()
+        train_tokens += sum(len(s) for s in out.sequences)
+        row["loss"] = float(loss.detach())
+    row["train_tokens_per_s"] = train_tokens / (time.perf_counter() - t1)
+    row["tokens_per_s"] = (out.stats.prefill_tokens + out.stats.decode_tokens + train_tokens) / \
+        (time.perf_counter() - t0)
+    row["rollout_s"] = t_roll
+    row["sample"] = f"{problems[0][0]}> {tok.decode(out.completions[0])!r}"
+    return row
+
+
+def sft_step(model, opt, master, sync, args, tok, step: int, groups) -> Dict:
+    """One supervised warm-start step on the task (loss on the answer + eos tokens only)."""
+    rng = random.Random(args.seed * 7919 + step * 31 + groups.dp_rank + 12345)
+    problems = [make_problem(args.task, rng, args.digits)
+                for _ in range(args.prompts * args.group_size)]
+    for p in model.parameters():
+        p.grad = None
+    loss = response_loss(model, [encode_prompt(tok, q) for q, _ in problems],
+                         [tok.encode(a) + [tok.eos_id] for _, a in problems])
+    loss.backward()
+    master.grads_to_master()
+    sync.average()
+    gnorm = sync.clip(args.grad_clip)
+    opt.step()
+    master.master_to_model()
+    return {"sft_loss": float(loss.detach()), "grad_norm": gnorm}
+
+
+# -- main -----------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=TASKS, default="copy")
+    ap.add_argument("--digits", type=int, default=3, help="max digits of copy/reverse strings")
+    ap.add_argument("--init", help="an HF checkpoint dir to start from (default: fresh tiny)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--out", default="out/grpo")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps")
+    ap.add_argument("--sft-steps", type=int, default=30, help="supervised warm-start steps")
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (per DP rank)")
+    ap.add_argument("--group-size", type=int, default=8, help="G responses per prompt")
+    ap.add_argument("--inner-steps", type=int, default=2, help="PPO updates per rollout batch")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--clip-eps", type=float, default=0.2)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--rollout-batch", type=int, default=None, help="generate's max_batch_size")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
+    ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> Dict:
+    """Run GRPO; returns {"rows": [per-step metrics], "model", "out", ...}."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    groups, expert_dp = setup_parallel(args.tp, args.ep)
+    with tk.use(args.mode):
+        return _run(args, groups, expert_dp)
+
+
+def _run(args, groups, expert_dp) -> Dict:
+    from tqdm.auto import tqdm
+    is_main = groups.rank == 0
+    dtype = DTYPES[args.dtype]
+    if args.init:
+        torch.manual_seed(args.seed)
+        model = Qwen3MoeForCausalLM.from_pretrained(
+            args.init, dtype=dtype, groups=groups if groups.world_size > 1 else None)
+    else:
+        model = build_model(Qwen3MoeConfig.preset(args.preset), dtype, groups, args.seed)
+    c = model.config
+    tok = ByteTokenizer(bos_id=c.bos_token_id if c.bos_token_id is not None else 256,
+                        eos_id=c.eos_token_id if isinstance(c.eos_token_id, int) else 257)
+    if c.vocab_size <= max(tok.bos_id, tok.eos_id):
+        raise ValueError(f"the task needs a byte vocabulary with bos/eos ids; the model has "
+                         f"vocab_size={c.vocab_size}")
+    master = MasterWeights(model)
+    sync = GradSync(model, master, groups, expert_dp)
+    log = MetricLogger(args.out, enabled=is_main)
+    rows: List[Dict] = []
+    if args.sft_steps:
+        opt = build_optimizer(master, args.sft_lr, args.weight_decay)
+        for s in tqdm(range(args.sft_steps), desc="sft warm-start",
+                      disable=not is_main or args.no_progress):
+            r = {"step": s + 1 - args.sft_steps, "phase": "sft",
+                 **sft_step(model, opt, master, sync, args, tok, s, groups)}
+            log.log(r, echo=(s + 1 == args.sft_steps))
+    opt = build_optimizer(master, args.lr, args.weight_decay, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    bar = tqdm(range(args.steps), desc=f"grpo[{tk.get_mode()}]",
+               disable=not is_main or args.no_progress, dynamic_ncols=True)
+    for step in bar:
+        r = {"step": step + 1, "phase": "rl",
+             **rl_step(model, opt, sched, master, sync, args, tok, step, groups)}
+        rows.append(r)
+        log.log(r)
+        bar.set_postfix(reward=f"{r['reward']:.3f}", logdiff=f"{r['logdiff']:.2g}", refresh=False)
+    bar.close()
+    ckpt = CheckpointManager(os.path.join(args.out, "ckpt"), 1, groups)
+    ckpt.save(args.steps, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                           "rng": rng_state()},
+              {"script": "grpo", "config": c.to_hf(), "dtype": args.dtype})
+    out = {"rows": rows, "model": model, "out": args.out}
+    if not args.no_export and (is_main or groups.tp_size > 1 or groups.ep_size > 1):
+        model.save_pretrained(os.path.join(args.out, "hf"))
+        out["hf"] = os.path.join(args.out, "hf")
+    log.close()
+    if is_main:
+        out["png"] = plot_curves(log.path, os.path.join(args.out, "curves.png"),
+                                 ["reward", "solved", "logdiff", "ratio_max", "tokens_per_s"],
+                                 title=f"grpo {args.task} ({tk.get_mode()} kernels)")
+        if rows:
+            print(f"reward {rows[0]['reward']:.3f} -> {rows[-1]['reward']:.3f}; max logdiff "
+                  f"{max(r['logdiff'] for r in rows):.3g}; outputs in {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
