@@ -31,63 +31,86 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Linear: an MR x 16 micro tile; each output is a sequential FMA chain over the chunk's k.
+// Linear. The order of one output y[m, n] within a chunk of kc: eight lanes, lane l accumulating
+// the products x[m, k] * w[n, k] for k = l, l + 8, ... in sequence (an FMA chain from 0), the
+// last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
+// or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 // ---------------------------------------------------------------------------------------------
-template <int MR>
-static inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* part) {
-  V8 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
-  for (int64_t k = 0; k < kc; ++k) {
-    V8 w0 = vload(w + k * kPanel), w1 = vload(w + k * kPanel + 8);
-    for (int r = 0; r < MR; ++r) {
-      V8 xb = vset1(x[r * ldx + k]);
-      acc[r][0] = vfma(xb, w0, acc[r][0]);
-      acc[r][1] = vfma(xb, w1, acc[r][1]);
+template <int MR, int NR>
+static inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, float* part) {
+  V8 acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = vzero();
+  const int64_t k8 = kc / 8 * 8;
+  for (int64_t k = 0; k < k8; k += 8) {
+    V8 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = vload(x + r * ldx + k);
+    for (int n = 0; n < NR; ++n) {
+      const V8 wv = vload(w + n * ldw + k);
+      for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    vstore(part + r * kPanel, acc[r][0]);
-    vstore(part + r * kPanel + 8, acc[r][1]);
+  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < NR; ++n) {
+        float lanes[8];
+        vstore(lanes, acc[r * NR + n]);
+        for (int64_t k = k8; k < kc; ++k) lanes[k - k8] = std::fma(x[r * ldx + k], w[n * ldw + k], lanes[k - k8]);
+        acc[r * NR + n] = vload(lanes);
+      }
   }
+  // hsum8 gives each accumulator the same tree as hsum; eight at a time.
+  float sums[((MR * NR + 7) / 8) * 8];
+  for (int i = 0; i < MR * NR; i += 8) {
+    V8 g[8];
+    for (int j = 0; j < 8; ++j) g[j] = i + j < MR * NR ? acc[i + j] : vzero();
+    vstore(sums + i, hsum8(g));
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) part[r * kPanel + n] = sums[r * NR + n];
 }
 
-// Copy W[0:ncols, k0:k0+kc] (rows of the weight, fp32 or bf16) transposed into wbuf [kc, 16]
-// fp32, zero-filling columns >= ncols. Pure data movement: it fixes no order of arithmetic.
-static void pack_chunk(const void* W, int64_t ldw, Elem we, int ncols, int64_t k0, int64_t kc, float* wbuf) {
-  for (int jb = 0; jb < kPanel; jb += 8) {
-    int64_t k = 0;
-    for (; k + 8 <= kc; k += 8) {
-      V8 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = jb + i < ncols ? loadv(W, (jb + i) * ldw + k0 + k, we) : vzero();
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) vstore(wbuf + (k + i) * kPanel + jb, r[i]);
-    }
-    for (; k < kc; ++k)
-      for (int i = 0; i < 8; ++i) wbuf[k * kPanel + jb + i] = jb + i < ncols ? load1(W, (jb + i) * ldw + k0 + k, we) : 0.f;
+template <int MR>
+static inline void dot_tile_cols(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, int ncols,
+                                 float* part) {
+  int n = 0;
+  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4>(x, ldx, w + n * ldw, ldw, kc, part + n);
+  switch (ncols - n) {
+    case 3: dot_tile<MR, 3>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 2: dot_tile<MR, 2>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 1: dot_tile<MR, 1>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    default: break;
   }
 }
 
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
-  float* wbuf = scratch;                   // [kc, 16] this chunk of the panel, transposed, fp32
+  float* wbuf = scratch;                   // [16, kc]: a bf16 chunk of the panel as fp32 (exact)
   float* part = scratch + kc * kPanel;     // [chunks, rows, 16] chunk partials
   const int64_t plane = rows * kPanel;
+  if (ncols < kPanel) std::memset(part, 0, sizeof(float) * chunks * plane);  // unused columns stay 0
   for (int c = 0; c < chunks; ++c) {
-    pack_chunk(W, ldw, welem, ncols, c * kc, kc, wbuf);
-    const float* w = wbuf;
+    const float* w;
+    int64_t lw;
+    if (welem == Elem::F32) {
+      w = static_cast<const float*>(W) + c * kc;
+      lw = ldw;
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(W) + c * kc;
+      for (int j = 0; j < ncols; ++j) {
+        int64_t k = 0;
+        for (; k + 8 <= kc; k += 8) vstore(wbuf + j * kc + k, vload(src + j * ldw + k));
+        for (; k < kc; ++k) wbuf[j * kc + k] = bf16_to_f32(src[j * ldw + k]);
+      }
+      w = wbuf;
+      lw = kc;
+    }
     const float* xc = x + c * kc;
     float* pc = part + c * plane;
     int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) micro_tile<6>(xc + r * ldx, ldx, w, kc, pc + r * kPanel);
-    switch (rows - r) {  // the same per-row arithmetic, fewer rows
-      case 5: micro_tile<5>(xc + r * ldx, ldx, w, kc, pc + r * kPanel); break;
-      case 4: micro_tile<4>(xc + r * ldx, ldx, w, kc, pc + r * kPanel); break;
-      case 3: micro_tile<3>(xc + r * ldx, ldx, w, kc, pc + r * kPanel); break;
-      case 2: micro_tile<2>(xc + r * ldx, ldx, w, kc, pc + r * kPanel); break;
-      case 1: micro_tile<1>(xc + r * ldx, ldx, w, kc, pc + r * kPanel); break;
-      default: break;
-    }
+    for (; r + 3 <= rows; r += 3) dot_tile_cols<3>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 2) dot_tile_cols<2>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 1) dot_tile_cols<1>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
   }
   // The chunk tree: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise.
   for (int step = 1; step < chunks; step *= 2)

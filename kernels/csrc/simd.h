@@ -68,25 +68,6 @@ inline float lane(V8 a, int i) {
   return t[i];
 }
 // Eight horizontal sums at once: lane i of the result is hsum(a[i]) with the same tree as hsum.
-// In-place 8x8 transpose: r[i] lane j <- r[j] lane i (pure data movement).
-inline void transpose8(V8* r) {
-  __m256 t0 = _mm256_unpacklo_ps(r[0].v, r[1].v), t1 = _mm256_unpackhi_ps(r[0].v, r[1].v);
-  __m256 t2 = _mm256_unpacklo_ps(r[2].v, r[3].v), t3 = _mm256_unpackhi_ps(r[2].v, r[3].v);
-  __m256 t4 = _mm256_unpacklo_ps(r[4].v, r[5].v), t5 = _mm256_unpackhi_ps(r[4].v, r[5].v);
-  __m256 t6 = _mm256_unpacklo_ps(r[6].v, r[7].v), t7 = _mm256_unpackhi_ps(r[6].v, r[7].v);
-  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0].v = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1].v = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2].v = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3].v = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4].v = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5].v = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6].v = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7].v = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
 inline V8 hsum8(const V8* a) {
   __m256 h01 = _mm256_hadd_ps(a[0].v, a[1].v), h23 = _mm256_hadd_ps(a[2].v, a[3].v);
   __m256 h45 = _mm256_hadd_ps(a[4].v, a[5].v), h67 = _mm256_hadd_ps(a[6].v, a[7].v);
@@ -122,14 +103,6 @@ inline V8 vpow2i(V8 n) {
 inline V8 vsel_lt(V8 a, V8 b, V8 x, V8 y) { TONP_LANES y.v[i] = a.v[i] < b.v[i] ? x.v[i] : y.v[i]; return y; }
 inline V8 vsel_nan(V8 a, V8 x, V8 y) { TONP_LANES y.v[i] = std::isnan(a.v[i]) ? x.v[i] : y.v[i]; return y; }
 inline float lane(V8 a, int i) { return a.v[i]; }
-inline void transpose8(V8* r) {
-  for (int i = 0; i < 8; ++i)
-    for (int j = i + 1; j < 8; ++j) {
-      float t = r[i].v[j];
-      r[i].v[j] = r[j].v[i];
-      r[j].v[i] = t;
-    }
-}
 inline V8 hsum8(const V8* a) {
   V8 r;
   TONP_LANES {
