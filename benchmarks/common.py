@@ -1,0 +1,161 @@
+"""Timing and reporting helpers shared by the model benchmarks and `run_all.py`.
+
+Every comparison in a report is measured in the same process, one after the other, so a ratio is
+meaningful even when the machine drifts; absolute numbers on a shared machine are not.
+
+    t = timeit(lambda: f(x), repeat=5, max_total_s=10)   # Timing(seconds=median, runs=5, ...)
+    md = md_table(["case", "tok/s"], [["decode", "12.3"]])
+    write_results(Path("benchmarks/results"), "latest", md, {"rows": [...]})
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Timing:
+    """Seconds per call by `stat` over `runs` timed calls after `warmup_s` of warm-up.
+
+    `note` says when fewer runs than asked were made (a slow call) or when the warm-up itself is
+    the only measurement."""
+    seconds: float
+    runs: int
+    warmup_s: float
+    samples: List[float] = field(default_factory=list)
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_STATS = {"median": statistics.median, "min": min}
+
+
+def timeit(fn: Callable[[], object], *, repeat: int = 3, max_total_s: float = 10.0,
+           max_call_s: float = 60.0, stat: str = "median") -> Timing:
+    """Time `fn()`: one warm-up call, then up to `repeat` timed calls within `max_total_s`.
+
+    A call slower than `max_call_s` in warm-up is not repeated: the warm-up is then the only
+    sample (flagged in `note`), because one more call would blow the run's time budget.
+    stat: "median" (default) or "min" (the least disturbed run, for a loaded machine).
+    """
+    if repeat < 1:
+        raise ValueError(f"timeit: repeat must be >= 1, got {repeat}")
+    t0 = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - t0
+    if warm > max_call_s:
+        return Timing(warm, 1, warm, [warm], note="warm-up only (slow call)")
+    n = max(1, min(repeat, int((max_total_s - warm) / max(warm, 1e-9))))
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    note = f"{n} of {repeat} runs (time budget)" if n < repeat else ""
+    return Timing(_STATS[stat](samples), n, warm, samples, note)
+
+
+def summarize(samples: Sequence[float], stat: str = "median") -> float:
+    """The chosen statistic of a list of per-step times (seconds)."""
+    if not samples:
+        raise ValueError("summarize: no samples")
+    return _STATS[stat](list(samples))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> List[str]:
+    """The SIMD features that decide CPU GEMM speed (avx2, fma, avx512*, amx*)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split()
+                              if f in ("avx2", "fma") or f.startswith(("avx512", "amx")))
+    except OSError:
+        pass
+    return []
+
+
+def machine_meta() -> dict:
+    """What a reader needs to judge the numbers: CPU, threads, versions, load average."""
+    import transformers
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "cpu_flags": cpu_flags(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "load_before": os.getloadavg()[0]}
+
+
+def busy_warning(meta: dict) -> str:
+    """A loud line when the load average exceeded the core count during the run."""
+    load = max(meta.get("load_before", 0.0), meta.get("load_after", 0.0))
+    if load > (meta.get("cores") or 1):
+        return (f"**The machine was busy (load average {load:.1f} on {meta['cores']} cores): "
+                f"absolute numbers are unreliable; re-run `make bench` on a quiet machine.**")
+    return ""
+
+
+def free_memory() -> None:
+    """Release dropped models now (large tensors can otherwise linger until the next gc)."""
+    gc.collect()
+
+
+def fmt(v: Optional[float], digits: int = 1) -> str:
+    if v is None:
+        return "n/a"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}f}"
+
+
+def fmt_ratio(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table (cells converted with str)."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_results(out_dir: Path, stem: str, md: str, data: dict) -> List[Path]:
+    """Write `<stem>.md` and `<stem>.json` under out_dir; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+    md_path.write_text(md)
+    json_path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    return [md_path, json_path]
+
+
+def _json_default(o):
+    if isinstance(o, (torch.dtype, Path)):
+        return str(o)
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def log(msg: str) -> None:
+    """Progress on stdout, flushed (runs are long; the user wants to see where they are)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

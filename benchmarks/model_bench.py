@@ -1,0 +1,300 @@
+"""Rollout and training throughput of tonp ("invariant" and "torch" kernel modes) against Hugging
+Face transformers' Qwen3MoeForCausalLM, with the same weights and dtype, in one process.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/run_all.py [--quick]   # what `make bench` runs
+
+What one engine is timed on (the same for the three):
+  * decode: greedy generation of equal-length random prompts at batch 1 and 16, KV cache on
+    (tonp: `tonp_models.generate` with its paged cache; transformers: `generate(do_sample=False)`,
+    DynamicCache). A decode step is one forward over one new token per sequence plus the token
+    pick; its time is the gap between consecutive steps (tonp: forward starts, seen through a thin
+    proxy; transformers: calls of a LogitsProcessor, which runs once per step). The median step
+    over every decode step of `repeat` calls is reported; tokens/s = batch / step.
+  * prefill: one generate call with max_new_tokens=1 (the whole prompt batch in one forward, the
+    LM head on the last rows only, one token pick); tokens/s = prompt tokens / call.
+  * training: forward + backward of the mean token log-prob of a [B, L] batch (tonp:
+    `model.token_logprobs`; transformers: `log_softmax(logits.float())` gathered at the targets).
+Weights: a model built once from torch.manual_seed(0) is written with `save_pretrained`; tonp and
+transformers both load it in the dtype under test. At most one model is alive at a time (the
+30B-A3B-shaped one is 5 GB in fp32, and training adds as much again in gradients).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import tonp_kernels as tk
+from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
+
+from common import free_memory, log, summarize, timeit
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TONP_MODES = ("invariant", "torch")
+HF_ATTN = "sdpa"  # transformers' default and fastest CPU attention; its experts use grouped_mm
+
+
+@dataclass
+class Case:
+    """One model and the sizes it is measured at.
+
+    decode: {batch: new tokens per call} (new tokens - 1 decode steps per call); prompt_len:
+    decode prompt length; prefill/train: (sequences, tokens each)."""
+    name: str
+    config: Qwen3MoeConfig
+    prompt_len: int
+    decode: Dict[int, int]
+    prefill: tuple
+    train: tuple
+    repeat: int
+    max_total_s: float
+    max_call_s: float
+    profile_steps: int = 3
+    bandwidth_target: bool = False  # batch-1 decode must reach 60% of the memory bound
+
+    def summary(self) -> str:
+        c = self.config
+        return (f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
+                f"{c.num_key_value_heads} heads x {c.head_dim}, {c.num_experts} experts top-"
+                f"{c.num_experts_per_tok} (moe_intermediate {c.moe_intermediate_size}), vocab "
+                f"{c.vocab_size}")
+
+
+def make_cases(mode: str) -> List[Case]:
+    """mode: "full" (tiny + 30B-A3B-shaped), "quick" (tiny, fewer steps), "smoke" (1-layer tiny,
+    one repeat: checks that the code runs)."""
+    if mode == "smoke":
+        cfg = Qwen3MoeConfig.preset("tiny", num_hidden_layers=1)
+        return [Case("tiny-1L", cfg, 8, {1: 3, 16: 3}, (1, 16), (1, 16), 1, 1.0, 5.0, 2)]
+    tiny = Qwen3MoeConfig.preset("tiny")
+    if mode == "quick":
+        return [Case("tiny", tiny, 32, {1: 17, 16: 17}, (2, 128), (2, 128), 3, 4.0, 10.0)]
+    big = Qwen3MoeConfig.preset("qwen3_30b_a3b", num_hidden_layers=2, vocab_size=16384,
+                                max_position_embeddings=4096)
+    return [Case("tiny", tiny, 32, {1: 33, 16: 33}, (4, 256), (4, 256), 5, 8.0, 20.0),
+            Case("30B-A3B shapes, 2 layers", big, 32, {1: 9, 16: 5}, (1, 256), (1, 256), 2, 25.0,
+                 30.0, 2, bandwidth_target=True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines: the same three calls (decode steps, prefill, training step) for tonp and transformers
+# ---------------------------------------------------------------------------------------------
+class _ForwardClock:
+    """Stands in for the model in `tonp_models.generate` and notes when each forward starts."""
+
+    def __init__(self, model):
+        self.model, self.config, self.starts = model, model.config, []
+
+    def new_cache(self, *args, **kwargs):
+        return self.model.new_cache(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        self.starts.append(time.perf_counter())
+        return self.model(*args, **kwargs)
+
+
+class TonpEngine:
+    def __init__(self, model: Qwen3MoeForCausalLM, mode: str):
+        self.model, self.mode, self.name = model, mode, f"tonp {mode}"
+
+    def decode_steps(self, prompts: torch.Tensor, n_new: int) -> List[float]:
+        """Seconds of each decode step (all but the prefill forward) of one greedy generate."""
+        clock = _ForwardClock(self.model)
+        with tk.use(self.mode):
+            out = generate(clock, list(prompts), n_new, max_batch_size=len(prompts))
+        end = time.perf_counter()
+        assert all(len(c) == n_new for c in out.completions), "generation stopped early"
+        starts = clock.starts[1:] + [end]
+        return [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+    def prefill(self, prompts: torch.Tensor) -> None:
+        with tk.use(self.mode):
+            generate(self.model, list(prompts), 1, max_batch_size=len(prompts))
+
+    def train_step(self, ids: torch.Tensor) -> None:
+        self.model.zero_grad(set_to_none=True)
+        with tk.use(self.mode):
+            lps = self.model.token_logprobs(list(ids))
+            (-torch.cat(lps).mean()).backward()
+
+
+class _StepClock:
+    """A transformers LogitsProcessor that notes the time of each call (once per step)."""
+
+    def __init__(self):
+        self.times: List[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class HFEngine:
+    def __init__(self, hf):
+        self.hf, self.name = hf, "transformers"
+        hf.generation_config.eos_token_id = None  # random weights: never stop early
+        hf.generation_config.pad_token_id = 0
+
+    def _generate(self, prompts: torch.Tensor, n_new: int, processors=()):
+        from transformers import LogitsProcessorList
+        return self.hf.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                                use_cache=True, logits_processor=LogitsProcessorList(processors))
+
+    def decode_steps(self, prompts: torch.Tensor, n_new: int) -> List[float]:
+        clock = _StepClock()
+        out = self._generate(prompts, n_new, [clock])
+        assert out.shape[1] == prompts.shape[1] + n_new, "generation stopped early"
+        return [b - a for a, b in zip(clock.times[:-1], clock.times[1:])]
+
+    def prefill(self, prompts: torch.Tensor) -> None:
+        self._generate(prompts, 1)
+
+    def train_step(self, ids: torch.Tensor) -> None:
+        self.hf.zero_grad(set_to_none=True)
+        logits = self.hf(ids).logits                                                # (B, L, V)
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+        (-lp.mean()).backward()
+
+
+def load_hf(path: Path, dtype: torch.dtype):
+    import transformers
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype,
+                                                          attn_implementation=HF_ATTN)
+    return hf.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+def _tokens(case: Case, shape: tuple, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, case.config.vocab_size, shape, generator=g)
+
+
+def bench_engine(engine, case: Case, stat: str) -> dict:
+    """Every measurement of one engine: decode_b{batch}, prefill, train -> {tok_s, ...}."""
+    out = {}
+    for batch, n_new in case.decode.items():
+        prompts = _tokens(case, (batch, case.prompt_len), seed=batch)
+        engine.decode_steps(prompts, min(3, n_new))                     # warm-up
+        steps = []
+        for _ in range(case.repeat):
+            steps += engine.decode_steps(prompts, n_new)
+        step_s = summarize(steps, stat)
+        out[f"decode_b{batch}"] = {"tok_s": batch / step_s, "step_s": step_s,
+                                   "steps": len(steps), "batch": batch,
+                                   "context": case.prompt_len + n_new / 2}
+        log(f"    {engine.name} decode b{batch}: {batch / step_s:.1f} tok/s")
+    kw = dict(repeat=case.repeat, max_total_s=case.max_total_s, max_call_s=case.max_call_s,
+              stat=stat)
+    for what, fn in (("prefill", engine.prefill), ("train", engine.train_step)):
+        B, L = getattr(case, what)
+        ids = _tokens(case, (B, L), seed=100)
+        t = timeit(lambda: fn(ids), **kw)
+        out[what] = {"tok_s": B * L / t.seconds, "step_s": t.seconds, "runs": t.runs,
+                     "note": t.note, "tokens": B * L}
+        log(f"    {engine.name} {what}: {B * L / t.seconds:.1f} tok/s ({t.runs} runs)")
+    if hasattr(engine, "model"):
+        engine.model.zero_grad(set_to_none=True)
+    else:
+        engine.hf.zero_grad(set_to_none=True)
+    return out
+
+
+def bench_case(case: Case, stat: str = "median", profile: bool = False,
+               dtypes=("fp32", "bf16"), on_tonp: Optional[Callable] = None) -> dict:
+    """Measure every engine of a case in both dtypes. `on_tonp(case, dtype, model, results)` is
+    called while the tonp model is alive (after both its modes and transformers are measured):
+    the place for checks and profiles that need the model. Returns {dtype: {engine: {...}}}."""
+    results: dict = {}
+    info: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tonp_bench_") as tmp:
+        path = Path(tmp) / "ckpt"
+        torch.manual_seed(0)
+        log(f"{case.name}: building random weights and saving them")
+        model = Qwen3MoeForCausalLM(case.config, dtype=torch.float32)
+        info["params"] = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(path)
+        del model
+        free_memory()
+        for name in dtypes:
+            dtype = DTYPES[name]
+            res = results[name] = {}
+            log(f"{case.name} {name}: transformers (attn {HF_ATTN})")
+            hf = load_hf(path, dtype)
+            info["hf_attention"] = hf.config._attn_implementation
+            info["hf_experts"] = getattr(hf.config, "_experts_implementation", "n/a")
+            res["transformers"] = bench_engine(HFEngine(hf), case, stat)
+            del hf
+            free_memory()
+            model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype)
+            for mode in TONP_MODES:
+                log(f"{case.name} {name}: tonp {mode}")
+                res[f"tonp {mode}"] = bench_engine(TonpEngine(model, mode), case, stat)
+            if on_tonp is not None:
+                on_tonp(case, name, model, res)
+            del model
+            free_memory()
+    return {"info": info, "results": results}
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles of the largest costs (torch.profiler; op name, input shapes, ms per step)
+# ---------------------------------------------------------------------------------------------
+def profile_decode(model, case: Case, batch: int, mode: str = "invariant", top: int = 12) -> dict:
+    """Top ops by self CPU time over `case.profile_steps` decode steps at `batch` (the step of
+    `generate`: one cached forward, last-row logits, argmax), prefill excluded."""
+    steps = case.profile_steps
+    prompts = _tokens(case, (batch, case.prompt_len), seed=batch)
+    with torch.no_grad(), tk.use(mode):
+        cache = model.new_cache(batch, case.prompt_len + 2 * steps + 1)  # warm-up + profile
+        slots = [cache.add_sequence() for _ in range(batch)]
+        cu = torch.arange(batch + 1, dtype=torch.int32) * case.prompt_len
+        logits = model(prompts.reshape(-1), cu, cache=cache, cache_slots=slots,
+                       logits_rows=(cu[1:] - 1).long())
+        state = {"ids": tk.argmax(logits)}
+        cu1 = torch.arange(batch + 1, dtype=torch.int32)
+        rows = torch.arange(batch)
+
+        def decode():
+            for _ in range(steps):
+                logits = model(state["ids"], cu1, cache=cache, cache_slots=slots,
+                               logits_rows=rows)
+                state["ids"] = tk.argmax(logits)
+        return _profile(decode, steps, top)
+
+
+def profile_train(model, case: Case, mode: str = "invariant", top: int = 12) -> dict:
+    """Top ops by self CPU time of one training step (forward + backward)."""
+    B, L = case.train
+    ids = _tokens(case, (B, L), seed=100)
+    engine = TonpEngine(model, mode)
+    out = _profile(lambda: engine.train_step(ids), 1, top)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _profile(fn, steps: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    fn()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages(group_by_input_shape=True)]
+    total_self = sum(e.self_cpu_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    rows = [{"op": e.key, "shapes": _shapes(e.input_shapes), "calls_per_step": e.count / steps,
+             "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+             "share": e.self_cpu_time_total / total_self} for e in events[:top]]
+    return {"wall_ms_per_step": wall * 1e3 / steps, "top": rows}
+
+
+def _shapes(shapes) -> str:
+    s = ", ".join(str(list(x)) for x in (shapes or []) if x)
+    return s if len(s) <= 80 else s[:77] + "..."

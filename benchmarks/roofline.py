@@ -1,0 +1,132 @@
+"""The machine's limits and what a Qwen3-MoE step must move or compute, to turn a measured rate
+into a fraction of the bound that limits it.
+
+    m = measure_machine("full")        # {"copy_GBs", "read_GBs", "gemm_fp32_GFLOPs", ...}
+    b = decode_bytes(config, dtype_bytes=4, batch=1, context=64)      # bytes per decode step
+    f = flops_per_token(config, context=256, training=False)          # forward FLOPs per token
+
+Bounds:
+  * decode is memory-bound: one step streams the ACTIVE weights once (attention, router, the
+    top-k experts of every token, dense MLPs, the final norm and the LM head) plus the KV cache
+    it reads; the bound is bytes / read bandwidth, measured by a read-only reduction
+    (x.sum() over a tensor much larger than the caches). The copy bandwidth (bytes read +
+    written by a large copy) is reported too.
+  * prefill and training are compute-bound: FLOPs per token (2 per multiply-add of the active
+    weights, plus attention over the causal context; training = 3x the forward) over the MKL fp32
+    GEMM rate. bf16 is held to the same fp32 bound: CPUs without AVX512-BF16/AMX convert bf16 to
+    fp32 and use fp32 FMAs, so bf16 only halves the bytes.
+The best (minimum-time) of a few repeats is the machine's limit.
+"""
+from __future__ import annotations
+
+import torch
+
+from common import timeit
+
+GEMM_N = 2048
+
+
+SIZES = {  # MiB of the bandwidth tensors, GEMM size N, repeats
+    "full": (512, GEMM_N, 7), "quick": (64, 1024, 3), "smoke": (16, 256, 1)}
+
+
+def measure_machine(size: str = "full") -> dict:
+    """Memory bandwidth (copy, read-only) and MKL fp32 GEMM GFLOP/s of this process's threads.
+    size: "full" (512 MiB tensors, far beyond any CPU cache; 2048^3 GEMM), "quick", "smoke"."""
+    mib, N, repeat = SIZES[size]
+    n = mib * 2 ** 20 // 4  # fp32 elements
+    src, dst = torch.randn(n), torch.empty(n)
+    kw = dict(repeat=repeat, max_total_s=10 if size == "full" else 2, stat="min")
+    t_copy = timeit(lambda: dst.copy_(src), **kw).seconds
+    t_read = timeit(lambda: src.sum(), **kw).seconds
+    del src, dst
+    a, b = torch.randn(N, N), torch.randn(N, N)
+    t_mm = timeit(lambda: torch.mm(a, b), **kw).seconds
+    return {"copy_GBs": 2 * n * 4 / t_copy / 1e9, "read_GBs": n * 4 / t_read / 1e9,
+            "gemm_fp32_GFLOPs": 2 * N ** 3 / t_mm / 1e9, "gemm_n": N,
+            "bandwidth_bytes": n * 4}
+
+
+def _layer_counts(config):
+    """Weights (elements) of one layer's attention, router and one expert; dense MLP per layer."""
+    c = config
+    H, D = c.hidden_size, c.head_dim
+    attn = H * c.num_attention_heads * D * 2 + H * c.num_key_value_heads * D * 2 + 2 * D + 2 * H
+    router = c.num_experts * H
+    expert = 3 * c.moe_intermediate_size * H
+    dense = 3 * c.intermediate_size * H
+    return attn, router, expert, dense
+
+
+def expected_distinct_experts(config, batch: int) -> float:
+    """Experts a batch of `batch` tokens touches in one layer, if routing were uniform:
+    E * (1 - (1 - k/E)^batch). Exactly k at batch 1."""
+    E, k = config.num_experts, config.num_experts_per_tok
+    if batch == 1:
+        return float(k)
+    return E * (1.0 - (1.0 - k / E) ** batch)
+
+
+def active_weight_bytes(config, dtype_bytes: int, batch: int = 1) -> float:
+    """Bytes of weights one decode step of `batch` sequences reads (each once): attention and
+    norms, router + the touched experts (batch > 1: uniform-routing expectation) or the dense
+    MLP per layer, the final norm, the LM head and `batch` embedding rows."""
+    c = config
+    attn, router, expert, dense = _layer_counts(c)
+    total = 0.0
+    for layer in range(c.num_hidden_layers):
+        total += attn
+        if c.is_sparse_layer(layer):
+            total += router + expected_distinct_experts(c, batch) * expert
+        else:
+            total += dense
+    total += c.hidden_size * (1 + c.vocab_size + batch)
+    return total * dtype_bytes
+
+
+def kv_bytes(config, dtype_bytes: int, batch: int, context: float) -> float:
+    """Bytes of K and V a decode step reads: every layer, `batch` sequences of `context` keys."""
+    c = config
+    return 2 * c.num_hidden_layers * batch * context * c.num_key_value_heads * c.head_dim \
+        * dtype_bytes
+
+
+def decode_bytes(config, dtype_bytes: int, batch: int, context: float) -> float:
+    return active_weight_bytes(config, dtype_bytes, batch) + kv_bytes(config, dtype_bytes,
+                                                                       batch, context)
+
+
+def flops_per_token(config, context: float, training: bool = False) -> float:
+    """FLOPs per token: 2 x the active matmul weights (q/k/v/o, router, top-k experts or the
+    dense MLP, LM head) + attention 4 * Hq * D * context per layer (QK^T and PV; context = the
+    mean number of keys a query sees, (L + 1) / 2 for a causal sequence of L). Training = 3x."""
+    c = config
+    H, D = c.hidden_size, c.head_dim
+    attn_w = H * c.num_attention_heads * D * 2 + H * c.num_key_value_heads * D * 2
+    per_layer = 0.0
+    for layer in range(c.num_hidden_layers):
+        mm = attn_w
+        if c.is_sparse_layer(layer):
+            mm += c.num_experts * H + c.num_experts_per_tok * 3 * c.moe_intermediate_size * H
+        else:
+            mm += 3 * c.intermediate_size * H
+        per_layer += 2 * mm + 4 * c.num_attention_heads * D * context
+    fwd = per_layer + 2 * c.vocab_size * H
+    return 3 * fwd if training else fwd
+
+
+def decode_bound_tok_s(config, machine: dict, dtype_bytes: int, batch: int,
+                       context: float) -> float:
+    """Decode tokens/s if a step took exactly its bytes over the read bandwidth."""
+    step_s = decode_bytes(config, dtype_bytes, batch, context) / (machine["read_GBs"] * 1e9)
+    return batch / step_s
+
+
+def compute_bound_tok_s(config, machine: dict, context: float, training: bool) -> float:
+    """Tokens/s if every FLOP ran at the measured MKL fp32 GEMM rate."""
+    return machine["gemm_fp32_GFLOPs"] * 1e9 / flops_per_token(config, context, training)
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(measure_machine("quick"), indent=1))

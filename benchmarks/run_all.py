@@ -1,0 +1,305 @@
+"""`make bench`: where tonp stands against stock torch, transformers and the machine's limits.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/run_all.py           # full run (~15 min, 2 cores)
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/run_all.py --quick   # tiny model only (~1-2 min)
+
+Writes benchmarks/results/latest.{md,json,png} (--quick: latest_quick.*): the machine's limits
+(roofline.py), rollout and training throughput of tonp "invariant", tonp "torch" mode and
+transformers for each model and dtype (model_bench.py), every comparison as a ratio measured side
+by side in this run, each tonp figure as a fraction of the bound that limits it, the targets of
+issue 7 (met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
+the kernel (kernels.py) and collective (collectives.py) tables, run as subprocesses.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
+
+import model_bench as mb  # noqa: E402
+import roofline  # noqa: E402
+from common import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
+                    md_table, write_results)
+
+BYTES = {"fp32": 4, "bf16": 2}
+METRICS = ("decode_b1", "decode_b16", "prefill", "train")
+LABELS = {"decode_b1": "decode, batch 1", "decode_b16": "decode, batch 16",
+          "prefill": "prefill", "train": "training fwd+bwd"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds and targets
+# ---------------------------------------------------------------------------------------------
+def bound_tok_s(case: mb.Case, dtype: str, metric: str, m: dict, machine: dict) -> float:
+    """The roofline tokens/s of a measurement: memory-bound decode, compute-bound prefill and
+    training (see roofline.py)."""
+    c = case.config
+    if metric.startswith("decode"):
+        return roofline.decode_bound_tok_s(c, machine, BYTES[dtype], m["batch"], m["context"])
+    L = getattr(case, metric)[1]
+    return roofline.compute_bound_tok_s(c, machine, (L + 1) / 2, training=metric == "train")
+
+
+def targets(case: mb.Case, dtype: str, res: dict, machine: dict) -> list:
+    """Issue 7's targets that apply to this case and dtype: dicts with what, measured, met."""
+    inv, tor, hf = res["tonp invariant"], res["tonp torch"], res["transformers"]
+    out = []
+
+    def add(what, metric, value, ok, shown):
+        out.append({"case": case.name, "dtype": dtype, "target": what, "metric": metric,
+                    "value": value, "met": bool(ok), "measured": shown})
+    for metric in [k for k in METRICS if k.startswith("decode")]:
+        r = inv[metric]["step_s"] / tor[metric]["step_s"]
+        if dtype == "fp32":
+            add("invariant decode time <= 1.10x torch mode", metric, r, r <= 1.10,
+                f"{r:.2f}x the time")
+        else:
+            add("invariant decode faster than torch mode", metric, r, r < 1.0,
+                f"{r:.2f}x the time")
+        s = inv[metric]["tok_s"] / hf[metric]["tok_s"]
+        add("invariant decode tok/s >= 3x transformers", metric, s, s >= 3.0, f"{s:.2f}x")
+    if dtype == "fp32":
+        r = inv["train"]["step_s"] / tor["train"]["step_s"]
+        add("invariant training step <= 1.3x torch mode", "train", r, r <= 1.3,
+            f"{r:.2f}x the time")
+    if case.bandwidth_target:
+        f = inv["decode_b1"]["tok_s"] / bound_tok_s(case, dtype, "decode_b1", inv["decode_b1"],
+                                                    machine)
+        add("batch-1 decode >= 60% of the memory-bandwidth bound", "decode_b1", f, f >= 0.6,
+            f"{100 * f:.0f}% of bound")
+    return out
+
+
+def checks_and_profiles(machine: dict, profile: bool, store: dict):
+    """The `on_tonp` hook of model_bench.bench_case: targets, then profiles of the missed ones
+    while the tonp model is still loaded."""
+    def hook(case, dtype, model, res):
+        found = targets(case, dtype, res, machine)
+        store.setdefault("targets", []).extend(found)
+        if not profile:
+            return
+        missed = {t["metric"]: t for t in found if not t["met"]}
+        for metric, t in missed.items():
+            modes = ["invariant"] + (["torch"] if "torch mode" in t["target"] or any(
+                "torch mode" in u["target"] for u in found
+                if u["metric"] == metric and not u["met"]) else [])
+            for mode in modes:
+                log(f"  profiling {case.name} {dtype} {metric} ({mode})")
+                if metric == "train":
+                    p = mb.profile_train(model, case, mode)
+                else:
+                    p = mb.profile_decode(model, case, int(metric.split("_b")[1]), mode)
+                store.setdefault("profiles", []).append(
+                    {"case": case.name, "dtype": dtype, "metric": metric, "mode": mode, **p})
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def case_table(case: mb.Case, run: dict, machine: dict) -> str:
+    rows = []
+    for dtype, res in run["results"].items():
+        inv, tor, hf = res["tonp invariant"], res["tonp torch"], res["transformers"]
+        for metric in METRICS:
+            if metric not in inv:
+                continue
+            b = bound_tok_s(case, dtype, metric, inv[metric], machine)
+            rows.append([LABELS[metric], dtype, fmt(inv[metric]["tok_s"]),
+                         fmt(tor[metric]["tok_s"]), fmt(hf[metric]["tok_s"]),
+                         fmt_ratio(inv[metric]["tok_s"] / tor[metric]["tok_s"]),
+                         fmt_ratio(inv[metric]["tok_s"] / hf[metric]["tok_s"]),
+                         f"{fmt(b)} ({'memory' if metric.startswith('decode') else 'compute'})",
+                         _pct(inv[metric]["tok_s"] / b), _pct(tor[metric]["tok_s"] / b)])
+    return md_table(["measurement", "dtype", "tonp invariant tok/s", "tonp torch tok/s",
+                     "transformers tok/s", "invariant / torch", "invariant / transformers",
+                     "bound tok/s", "invariant % of bound", "torch % of bound"], rows)
+
+
+def _pct(f: float) -> str:
+    return f"{100 * f:.0f}%" if f >= 0.1 else f"{100 * f:.2g}%"
+
+
+def markdown(meta, machine, cases, runs, store, extra) -> str:
+    out = [f"# tonp benchmarks ({meta['date']}{', --' + meta['mode'] if meta['mode'] != 'full' else ''})",
+           "",
+           f"{meta['cpu']} ({', '.join(meta['cpu_flags']) or 'no AVX flags'}), {meta['threads']} "
+           f"threads, torch {meta['torch']}, transformers {meta['transformers']}; load average "
+           f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after. Every ratio is "
+           f"measured side by side in this run; absolute numbers drift with the machine's load.",
+           ""]
+    warn = busy_warning(meta)
+    if warn:
+        out += [warn, ""]
+    out += ["## Targets (issue 7)", ""]
+    rows = [[t["target"], t["case"], t["dtype"], LABELS[t["metric"]], t["measured"],
+             "met" if t["met"] else "**NOT met**"] for t in store.get("targets", [])]
+    out += [md_table(["target", "model", "dtype", "measurement", "measured", "status"], rows), ""]
+    out += ["## Machine limits (roofline)", "",
+            f"Read-only bandwidth (x.sum() over {machine['bandwidth_bytes'] / 2**20:.0f} MiB) "
+            f"**{machine['read_GBs']:.2f} GB/s**; copy bandwidth (read + write) "
+            f"{machine['copy_GBs']:.2f} GB/s; MKL fp32 GEMM ({machine['gemm_n']}^3) "
+            f"**{machine['gemm_fp32_GFLOPs']:.1f} GFLOP/s** (best of a few runs each).",
+            "Decode is bounded by the active weights it streams (attention, router, top-k "
+            "experts, LM head; batch 16: experts expected under uniform routing) plus its KV "
+            "reads, over the read bandwidth; prefill and training by FLOPs per token over the "
+            "fp32 GEMM rate (bf16 too: this CPU has no bf16 FMA).", ""]
+    for case, run in zip(cases, runs):
+        c = case.config
+        info = run["info"]
+        out += [f"## Model: {case.name}", "",
+                f"{case.summary()}; {info['params'] / 1e6:.1f} M parameters "
+                f"({info['params'] * 4 / 2**30:.2f} GiB fp32). transformers: attention "
+                f"`{info.get('hf_attention')}`, experts `{info.get('hf_experts')}`, DynamicCache. "
+                f"Decode: prompts of {case.prompt_len} tokens, "
+                + ", ".join(f"batch {b}: {n - 1} decode steps x {case.repeat} calls"
+                            for b, n in case.decode.items())
+                + f" (median step); prefill {case.prefill[0]} x {case.prefill[1]} tokens; "
+                f"training {case.train[0]} x {case.train[1]} tokens (median of up to "
+                f"{case.repeat} runs). Active weights per batch-1 decode step: "
+                f"{roofline.active_weight_bytes(c, 4) / 2**20:.1f} MiB fp32; forward "
+                f"{roofline.flops_per_token(c, (case.prefill[1] + 1) / 2) / 1e6:.1f} MFLOP "
+                f"per prefill token.", "",
+                "Throughput in tokens/s (higher is better); ratios > 1 mean tonp invariant is "
+                "faster.", "", case_table(case, run, machine), ""]
+        profs = [p for p in store.get("profiles", []) if p["case"] == case.name]
+        if profs:
+            out += ["### Largest costs where a target is missed (torch.profiler, self CPU time)",
+                    ""]
+        for p in profs:
+            out += [f"**{p['dtype']} {LABELS[p['metric']]}, tonp {p['mode']}**: "
+                    f"{p['wall_ms_per_step']:.1f} ms per step under the profiler.", "",
+                    md_table(["op", "input shapes", "calls/step", "ms/step", "share"],
+                             [[r["op"], f"`{r['shapes']}`" if r["shapes"] else "",
+                               f"{r['calls_per_step']:.0f}", f"{r['ms_per_step']:.2f}",
+                               f"{100 * r['share']:.0f}%"] for r in p["top"]]), ""]
+    for title, text in extra:
+        out += [f"## {title}", "", _demote(text), ""]
+    return "\n".join(out)
+
+
+def _demote(md: str) -> str:
+    """Nest another report's headings under this one's sections."""
+    return "\n".join("##" + line if line.startswith("#") else line for line in md.splitlines())
+
+
+def chart(path: Path, cases, runs, machine) -> bool:
+    """Two panels: speed relative to tonp torch mode (invariant, transformers), and tonp
+    invariant as a fraction of its roofline bound."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels, inv_rel, hf_rel, frac = [], [], [], []
+    for case, run in zip(cases, runs):
+        for dtype, res in run["results"].items():
+            for metric in METRICS:
+                inv, tor, hf = (res[e][metric] for e in ("tonp invariant", "tonp torch",
+                                                         "transformers"))
+                labels.append(f"{case.name.split(',')[0]}\n{dtype} {metric.replace('_', ' ')}")
+                inv_rel.append(inv["tok_s"] / tor["tok_s"])
+                hf_rel.append(hf["tok_s"] / tor["tok_s"])
+                frac.append(inv["tok_s"] / bound_tok_s(case, dtype, metric, inv, machine))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(max(8, 0.7 * len(labels)), 8))
+    x = range(len(labels))
+    a.bar([i - 0.2 for i in x], inv_rel, 0.4, label="tonp invariant")
+    a.bar([i + 0.2 for i in x], hf_rel, 0.4, label="transformers")
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_yscale("log")
+    a.set_ylabel("tokens/s relative to tonp torch mode")
+    a.legend()
+    b.bar(list(x), [100 * f for f in frac], 0.6, color="tab:green")
+    b.axhline(60, color="r", lw=0.8, ls="--")
+    b.set_ylabel("tonp invariant, % of roofline bound")
+    for ax in (a, b):
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer benchmarks (other files of benchmarks/), run as subprocesses
+# ---------------------------------------------------------------------------------------------
+def run_peer(script: str, args: list, md_name: str, timeout: int):
+    """Run benchmarks/<script> and return (title, markdown it wrote) or None."""
+    here = Path(__file__).resolve().parent
+    if not (here / script).exists():
+        return None
+    log(f"running {script} {' '.join(args)}")
+    try:
+        p = subprocess.run([sys.executable, str(here / script), *args], capture_output=True,
+                           text=True, timeout=timeout, cwd=here.parent)
+    except subprocess.TimeoutExpired:
+        return script, f"`{script}` did not finish within {timeout} s."
+    md = RESULTS_DIR / md_name
+    if p.returncode != 0 or not md.exists():
+        tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
+        return script, f"`{script}` failed (exit {p.returncode}):\n\n```\n" + "\n".join(tail) \
+            + "\n```"
+    return script, md.read_text()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model only, few steps (~1-2 min)")
+    ap.add_argument("--smoke", action="store_true", help="1-layer tiny model, one repeat: "
+                    "checks that the code runs (tests)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="statistic over repeats/steps (min resists a loaded machine)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="profile missed targets (default: on, off with --quick/--smoke)")
+    ap.add_argument("--dtypes", nargs="+", choices=tuple(mb.DTYPES), default=list(mb.DTYPES))
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--kernels-full", action="store_true",
+                    help="run kernels.py at full size (default: its --quick, for time)")
+    ap.add_argument("--skip-collectives", action="store_true")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    profile = args.profile if args.profile is not None else mode == "full"
+    meta = {**machine_meta(), "mode": mode, "stat": args.stat}
+    log(f"tonp benchmarks ({mode}), {meta['threads']} threads, load {meta['load_before']:.1f}")
+    machine = roofline.measure_machine(mode)
+    log(f"read {machine['read_GBs']:.2f} GB/s, copy {machine['copy_GBs']:.2f} GB/s, "
+        f"GEMM {machine['gemm_fp32_GFLOPs']:.1f} GFLOP/s")
+    cases, store, runs = mb.make_cases(mode), {}, []
+    hook = checks_and_profiles(machine, profile, store)
+    for case in cases:
+        runs.append(mb.bench_case(case, args.stat, dtypes=args.dtypes, on_tonp=hook))
+    extra = []
+    if mode != "smoke":
+        if not args.skip_kernels:
+            k = run_peer("kernels.py", [] if args.kernels_full else ["--quick"],
+                         "kernels.md" if args.kernels_full else "kernels_quick.md", 1200)
+            extra += [("Kernels (benchmarks/kernels.py)", k[1])] if k else []
+        if not args.skip_collectives:
+            c = run_peer("collectives.py", ["--quick"], "collectives.md", 900)
+            extra += [("Collectives (benchmarks/collectives.py)", c[1])] if c else []
+    meta["load_after"] = os.getloadavg()[0]
+    stem = "latest" if mode == "full" else f"latest_{mode}"
+    md = markdown(meta, machine, cases, runs, store, extra)
+    data = {"meta": meta, "machine": machine, "targets": store.get("targets", []),
+            "cases": [{"name": c.name, "summary": c.summary(), **r} for c, r in zip(cases, runs)],
+            "profiles": store.get("profiles", [])}
+    paths = write_results(args.out, stem, md, data)
+    if chart(args.out / f"{stem}.png", cases, runs, machine):
+        paths.append(args.out / f"{stem}.png")
+    print("\n" + md)
+    log("wrote " + ", ".join(str(p) for p in paths))
+    return data
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

@@ -1,0 +1,45 @@
+"""The benchmark code runs end to end on a 1-layer tiny model with one repeat (`run_all.py
+--smoke`): every engine (tonp invariant, tonp torch mode, transformers), the roofline, the targets
+and the report files. No timing is asserted: this only guards against the benchmarks rotting."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from model_helpers import invariant_built  # noqa: E402
+
+
+@pytest.mark.timeout(120)
+def test_run_all_smoke_writes_report(tmp_path):
+    if not invariant_built():
+        pytest.skip("tonp_kernels C++ ops are not built")
+    import run_all
+    data = run_all.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path)])
+    md = (tmp_path / "latest_smoke.md").read_text()
+    assert "## Targets (issue 7)" in md and "## Model: tiny-1L" in md
+    res = data["cases"][0]["results"]["fp32"]
+    assert set(res) == {"tonp invariant", "tonp torch", "transformers"}
+    for engine in res.values():
+        assert set(engine) == {"decode_b1", "decode_b16", "prefill", "train"}
+        assert all(m["tok_s"] > 0 for m in engine.values())
+    assert {t["metric"] for t in data["targets"]} == {"decode_b1", "decode_b16", "train"}
+    json.loads((tmp_path / "latest_smoke.json").read_text())
+
+
+def test_roofline_counts_active_weights():
+    """Batch-1 decode bytes: attention + router + top-k experts per layer, plus the LM head."""
+    import roofline
+    from tonp_models import Qwen3MoeConfig
+    c = Qwen3MoeConfig.preset("qwen3_30b_a3b", num_hidden_layers=2, vocab_size=16384)
+    H, D = 2048, 128
+    attn = H * 32 * D * 2 + H * 4 * D * 2 + 2 * D + 2 * H
+    layer = attn + 128 * H + 8 * 3 * 768 * H
+    assert roofline.active_weight_bytes(c, 2) == 2 * (2 * layer + H * (1 + 16384 + 1))
+    assert roofline.expected_distinct_experts(c, 16) < 128
+    assert roofline.flops_per_token(c, 10, training=True) == \
+        3 * roofline.flops_per_token(c, 10)
