@@ -8,7 +8,8 @@ values), so they never change a bit of the result.
 
 Why uneven rows: an MoE layer under TP x EP lets each TP rank dispatch only its share of the
 (replicated) tokens, so an expert sees every token exactly once; the token count need not divide
-the TP degree. Rank r of W holds rows `row_share(n, W, r)`: the first n % W ranks one more.
+the TP degree. With P parts, rank r holds part r % P, rows `row_share(n, P, r % P)` (the first
+n % P parts get one more row); P < W when only P ranks of the TP group share an EP group.
 
 Why replicas: when TP exceeds the KV heads, `copies` consecutive TP ranks hold the same KV head;
 each computes only its query heads' part of that head's weight gradient, so the forward is an
@@ -34,36 +35,43 @@ def row_share(n: int, size: int, rank: int) -> Tuple[int, int]:
     return start, base + (1 if rank < extra else 0)
 
 
-def _gather_rows(x: torch.Tensor, group: Group, total: int) -> torch.Tensor:
+def _part(group: Group, parts: int) -> Tuple[int, int]:
     W = group_size(group)
-    width = -(-total // W)  # pad every share to the largest one: all_gather needs equal shapes
+    if parts < 1 or W % parts:
+        raise ValueError(f"tonp_parallel: {parts} row parts do not tile a group of {W} ranks")
+    return group_rank(group) % parts, parts
+
+
+def _gather_rows(x: torch.Tensor, group: Group, total: int, parts: int) -> torch.Tensor:
+    width = -(-total // parts)  # pad every share to the largest one: all_gather needs equal shapes
     pad = x.new_zeros((width - x.shape[0], *x.shape[1:]))
     stacked = all_gather_stacked(torch.cat([x.detach(), pad]), group)            # (W, width, ...)
-    return torch.cat([stacked[r, :row_share(total, W, r)[1]] for r in range(W)])
+    # Ranks p, p + parts, ... hold the same part (equal bits): take ranks 0..parts-1.
+    return torch.cat([stacked[p, :row_share(total, parts, p)[1]] for p in range(parts)])
 
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.total = group, x.shape[0]
-        start, n = row_share(x.shape[0], group_size(group), group_rank(group))
+    def forward(ctx, x, group, parts):
+        ctx.group, ctx.total, ctx.parts = group, x.shape[0], parts
+        start, n = row_share(x.shape[0], parts, _part(group, parts)[0])
         return x[start:start + n].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_rows(grad.contiguous(), ctx.group, ctx.total), None
+        return _gather_rows(grad.contiguous(), ctx.group, ctx.total, ctx.parts), None, None
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, total):
-        ctx.group, ctx.total = group, total
-        return _gather_rows(x, group, total)
+    def forward(ctx, x, group, total, parts):
+        ctx.group, ctx.total, ctx.parts = group, total, parts
+        return _gather_rows(x, group, total, parts)
 
     @staticmethod
     def backward(ctx, grad):
-        start, n = row_share(ctx.total, group_size(ctx.group), group_rank(ctx.group))
-        return grad[start:start + n].contiguous(), None, None
+        start, n = row_share(ctx.total, ctx.parts, _part(ctx.group, ctx.parts)[0])
+        return grad[start:start + n].contiguous(), None, None, None
 
 
 class _SumOverReplicas(torch.autograd.Function):
@@ -79,24 +87,30 @@ class _SumOverReplicas(torch.autograd.Function):
         return tree_order_sum(grads[first:first + ctx.copies].unbind(0)), None, None
 
 
-def scatter_rows_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+def scatter_rows_to_region(x: torch.Tensor, group: Group, parts: Optional[int] = None
+                           ) -> torch.Tensor:
     """This rank's contiguous share of the rows of x [N, ...] (replicated over `group`) ->
-    [n_rank, ...] (see `row_share`). Backward: the shares' grads gathered back to [N, ...]."""
-    if group_size(group) == 1:
+    [n, ...]. The rows are split in `parts` (default: the group size; rank r takes part
+    r % parts, see `row_share`). Backward: the parts' grads gathered back to [N, ...]."""
+    parts = parts or group_size(group)
+    if group_size(group) == 1 or parts == 1:
         return x
-    return _ScatterRows.apply(x, group)
+    _part(group, parts)
+    return _ScatterRows.apply(x, group, parts)
 
 
-def gather_rows_from_region(x: torch.Tensor, group: Group, total: int) -> torch.Tensor:
-    """Concatenate every rank's row share [n_r, ...] in rank order -> [total, ...] on every
-    rank. Backward: this rank's share of the grad (the consumer is replicated)."""
-    if group_size(group) == 1:
+def gather_rows_from_region(x: torch.Tensor, group: Group, total: int,
+                            parts: Optional[int] = None) -> torch.Tensor:
+    """The inverse of `scatter_rows_to_region`: every part [n_p, ...] in part order ->
+    [total, ...] on every rank. Backward: this rank's part of the grad (replicated consumer)."""
+    parts = parts or group_size(group)
+    if group_size(group) == 1 or parts == 1:
         return x
-    if x.shape[0] != row_share(total, group_size(group), group_rank(group))[1]:
+    n = row_share(total, parts, _part(group, parts)[0])[1]
+    if x.shape[0] != n:
         raise ValueError(f"tonp_parallel.gather_rows_from_region: this rank holds {x.shape[0]} "
-                         f"rows, its share of {total} is "
-                         f"{row_share(total, group_size(group), group_rank(group))[1]}")
-    return _GatherRows.apply(x, group, total)
+                         f"rows, its share of {total} is {n}")
+    return _GatherRows.apply(x, group, total, parts)
 
 
 def sum_over_replicas(x: torch.Tensor, group: Group, copies: int) -> torch.Tensor:

@@ -6,6 +6,12 @@ attention is `tonp_kernels.attention_varlen` over whole packed sequences; with o
 are written into the pages first and the queries read positions 0..t through
 `tonp_kernels.attention_paged`. Both visit keys in blocks of `block` positions aligned to
 position 0, so a token gets the same bits either way (CONTRACT.md, Attention).
+
+Under TP degree t a rank holds num_heads / t query heads. If t divides the KV heads it holds
+num_kv_heads / t of them; if t is a multiple of the KV heads, t / num_kv_heads consecutive ranks
+hold the one KV head their query heads read (its weights are replicated, their gradients summed
+over the copies). The q/k norms are replicated but see only this rank's heads, so their weight
+gradients are summed over the TP group.
 """
 from __future__ import annotations
 
@@ -39,15 +45,25 @@ class Attention(nn.Module):
         t = _tp_size(tp_group)
         self.layer_idx, self.head_dim, self.block = layer_idx, head_dim, block
         self.local_heads = _divide(num_heads, t, "num_attention_heads")
-        self.local_kv_heads = _divide(num_kv_heads, t, "num_key_value_heads")
+        if num_kv_heads % t == 0:
+            kv_copies = 1
+        elif t % num_kv_heads == 0:
+            kv_copies = t // num_kv_heads     # ranks sharing one KV head
+        else:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} must be divisible by the "
+                             f"tensor-parallel degree {t} or divide it (then KV heads are "
+                             f"replicated)")
+        self.local_kv_heads = num_kv_heads * kv_copies // t
         self.scale = head_dim ** -0.5
         kw = dict(bias=bias, chunks=chunks, tp_group=tp_group, dtype=dtype)
         self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, **kw)
-        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, copies=kv_copies,
+                                           **kw)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, copies=kv_copies,
+                                           **kw)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, **kw)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype)
+        self.q_norm = _HeadNorm(head_dim, rms_norm_eps, dtype, tp_group)
+        self.k_norm = _HeadNorm(head_dim, rms_norm_eps, dtype, tp_group)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, *,
                 cu_seqlens: Optional[torch.Tensor] = None, cache=None, step=None
@@ -67,3 +83,18 @@ class Attention(nn.Module):
                                    cache.page_table, step.q_seq, step.positions,
                                    scale=self.scale)
         return self.o_proj(o.reshape(T, self.local_heads * D))                     # (T, H)
+
+
+class _HeadNorm(RMSNorm):
+    """RMSNorm over head_dim of this rank's heads. Its weight is replicated over TP, but each
+    rank's gradient covers only its own heads: `copy_to_region` on the weight sums them."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, tp_group=None):
+        super().__init__(head_dim, eps, dtype)
+        self.tp_group, self.tp_size = tp_group, _tp_size(tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        from tonp_parallel import copy_to_region
+        return tk.rms_norm(x, copy_to_region(self.weight, self.tp_group), self.eps)

@@ -6,12 +6,20 @@ At TP degree 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. A
 - RowParallelLinear holds in_features / t input columns = C / t chunks of the chunk tree: the
   local fp32 subtree (`linear_partial`), then `reduce_from_region` finishes the tree over ranks
   in rank order, so the bits equal TP 1 (CONTRACT.md, chunk tree). The bias comes after.
+When TP exceeds the number of shards a weight splits into (KV heads), ColumnParallelLinear
+takes `copies`: that many consecutive TP ranks hold the same shard, and its gradient is summed
+over them (`tonp_parallel.sharding.sum_over_replicas`) so every copy gets the whole gradient.
+
+Every sharded parameter is described by a `Shard` in its module's `shards` dict: which slice of
+the full (TP 1 / EP 1) tensor it holds. The model's init, the checkpoint loader and the saver
+all use it, so a sharded model is exactly the shards of the unsharded one.
 tonp_parallel is imported only on the TP > 1 path (layers sit above parallel in the import
 order, and TP 1 must not need torch.distributed).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -39,33 +47,75 @@ def _divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A local parameter is full.narrow(dim, start, length) of the full tensor, whose size on
+    `dim` is `full`; `group` names the ParallelGroups group that splits it ("tp" or "ep")."""
+    dim: int
+    start: int
+    length: int
+    full: int
+    group: str = "tp"
+
+    def full_shape(self, local_shape) -> Tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard's slice of the full tensor (a view)."""
+        return full.narrow(self.dim, self.start, self.length)
+
+
+def shards_of(module: nn.Module) -> Dict[str, Shard]:
+    """The module's {local parameter name: Shard} (empty when nothing is sharded)."""
+    return getattr(module, "shards", None) or {}
+
+
 class ColumnParallelLinear(nn.Module):
-    """y = x @ W.T (+ b) with W [out_features / t, in_features] local. x [..., in] -> [..., out/t].
+    """y = x @ W.T (+ b) with W [out_features / s, in_features] local. x [..., in] -> [..., out/s].
 
     Args: in_features, out_features (global sizes), bias, chunks (C of the chunk tree over
-    in_features), tp_group (None = TP 1), dtype, out_dtype (e.g. fp32 for the LM head).
+    in_features), tp_group (None = TP 1), dtype, out_dtype (e.g. fp32 for the LM head),
+    copies: consecutive TP ranks holding the same shard (s = t / copies shards; KV heads).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  chunks: int = tk.DEFAULT_CHUNKS, tp_group=None,
-                 dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None):
+                 dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None,
+                 copies: int = 1):
         super().__init__()
         self.tp_group, self.tp_size = tp_group, _tp_size(tp_group)
+        if copies < 1 or self.tp_size % copies:
+            raise ValueError(f"ColumnParallelLinear: copies={copies} must divide the "
+                             f"tensor-parallel degree {self.tp_size}")
+        self.copies = copies
+        n_shards = self.tp_size // copies
         self.in_features, self.out_features = in_features, out_features
-        self.local_out = _divide(out_features, self.tp_size, "out_features")
+        self.local_out = _divide(out_features, n_shards, "out_features")
         self.chunks, self.out_dtype = chunks, out_dtype
         self.weight = nn.Parameter(torch.empty(self.local_out, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.local_out, dtype=dtype)) if bias else None
+        self.shards: Dict[str, Shard] = {}
+        if n_shards > 1:
+            start = _tp_rank(tp_group) // copies * self.local_out
+            self.shards = {name: Shard(0, start, self.local_out, out_features)
+                           for name in ("weight", "bias") if getattr(self, name) is not None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
             x = copy_to_region(x, self.tp_group)
-        return tk.linear(x, self.weight, self.bias, chunks=self.chunks, out_dtype=self.out_dtype)
+            if self.copies > 1:
+                from tonp_parallel.sharding import sum_over_replicas
+                w = sum_over_replicas(w, self.tp_group, self.copies)
+                b = None if b is None else sum_over_replicas(b, self.tp_group, self.copies)
+        return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), "
-                f"tp={self.tp_size}, chunks={self.chunks}")
+                f"tp={self.tp_size}, copies={self.copies}, chunks={self.chunks}")
 
 
 class RowParallelLinear(nn.Module):
@@ -85,13 +135,18 @@ class RowParallelLinear(nn.Module):
         self.chunks = chunks
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.shards: Dict[str, Shard] = {}
+        if self.tp_size > 1:
+            start = _tp_rank(tp_group) * self.local_in
+            self.shards = {"weight": Shard(1, start, self.local_in, in_features)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
+        # Looked up at call time: the diagnoser wraps tonp_parallel.reduce_from_region.
         from tonp_parallel import reduce_from_region
-        # TODO(TP issue): check that the kernel adds the bias in fp32 before its one rounding,
-        # as done here, so TP > 1 with a bias matches TP 1 (Qwen3 has no bias).
+        # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the
+        # same here after the cross-rank tree, so a bias keeps TP t equal to TP 1.
         partial = tk.linear_partial(x, self.weight, chunks=self.chunks // self.tp_size)
         y = reduce_from_region(partial, self.tp_group)
         if self.bias is not None:
@@ -111,4 +166,4 @@ def init_normal_(module: nn.Module, std: float) -> None:
             module.bias.zero_()
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_normal_"]
+__all__ = ["Shard", "shards_of", "ColumnParallelLinear", "RowParallelLinear", "init_normal_"]

@@ -9,26 +9,42 @@
 
 Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
-[ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds only those experts.
+[ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds only those experts:
+
+    route all tokens (router weights replicated)        -> ids, w [M, K]
+    this rank's share of the tokens (TP ranks hold the same tokens: each dispatches a part,
+        so every expert sees each token once)           -> x, ids, w [n, K]
+    (token, slot) rows sorted by expert id = by owner rank; all_to_all the rows (counts first)
+    the owner sorts what it received by expert id and runs its experts in ascending id
+    all_to_all the results back; unsort                 -> y [n, K, H]
+    out = moe_combine(w, y)  token-owned, slot order, fp32; then the TP parts are gathered.
+A row's expert output depends only on the row and the expert's weights, and the combine runs
+where the token lives, so EP = 1, 2, 4 give the same bits. Every rank of the EP group must run
+each forward (and backward) together, with any number of tokens (zero included).
 """
 from __future__ import annotations
+
+from typing import Dict
 
 import torch
 from torch import nn
 
 import tonp_kernels as tk
 
+from .linear import Shard, _tp_rank, _tp_size
+
 
 class SparseMoeBlock(nn.Module):
     """x [M, H] -> [M, H] in x.dtype.
 
     Args: hidden_size, moe_intermediate_size (I), num_experts (E), top_k (K), norm_topk_prob,
-    chunks (C), ep_group (None = EP 1), dtype.
+    chunks (C), ep_group (None = EP 1), tp_group (the ranks holding the same tokens; used to
+    split the dispatch under EP, None = TP 1), dtype.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool, *, chunks: int = tk.DEFAULT_CHUNKS,
-                 ep_group=None, dtype: torch.dtype = torch.float32):
+                 ep_group=None, tp_group=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         ep_size, ep_rank = 1, 0
         if ep_group is not None:
@@ -47,15 +63,25 @@ class SparseMoeBlock(nn.Module):
                                                      hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden_size,
                                                   moe_intermediate_size, dtype=dtype))
+        self.shards: Dict[str, Shard] = {} if ep_size == 1 else {
+            name: Shard(0, self.first_expert, self.local_experts, num_experts, "ep")
+            for name in ("gate_up_proj", "down_proj")}
+        # Under EP the TP ranks that share this EP group split the tokens into `token_parts`.
+        self.tp_group, tp_size = tp_group, _tp_size(tp_group)
+        if ep_size == 1 or tp_size == 1:
+            self.token_parts = 1
+        elif tp_size % ep_size == 0 or ep_size % tp_size == 0:
+            self.token_parts = min(tp_size, ep_size)
+        else:
+            raise ValueError(f"SparseMoeBlock: tensor-parallel degree {tp_size} and expert-"
+                             f"parallel degree {ep_size} must divide one another")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         M, K = x.shape[0], self.top_k
         logits = tk.linear(x, self.gate, chunks=self.chunks)                       # (M, E)
         ids, weights = tk.moe_route(logits, K, self.norm_topk_prob)                # (M, K) x2
         if self.ep_size > 1:
-            # TODO(EP issue): all_to_all the rows to the ranks owning their experts, run
-            # _run_local_experts there, all_to_all back; the combine below stays token-owned.
-            raise NotImplementedError("SparseMoeBlock: expert parallelism > 1 is not wired yet")
+            return self._forward_ep(x, ids, weights)
         flat = ids.reshape(-1)                                                     # (M*K,)
         order = torch.argsort(flat, stable=True)            # slots grouped by expert, token order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -64,6 +90,38 @@ class SparseMoeBlock(nn.Module):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         y = y_sorted.index_select(0, inverse).view(M, K, -1)                       # (M, K, H)
         return tk.moe_combine(weights, y)
+
+    def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                    ) -> torch.Tensor:
+        from tonp_parallel import all_to_all
+        from tonp_parallel.collectives import all_to_all_rows
+        from tonp_parallel.sharding import (gather_rows_from_region, row_share,
+                                            scatter_rows_to_region)
+        M, K, W, tp, P = x.shape[0], self.top_k, self.ep_size, self.tp_group, self.token_parts
+        x = scatter_rows_to_region(x, tp, P)                                       # (n, H)
+        weights = scatter_rows_to_region(weights, tp, P)                           # (n, K)
+        if P > 1:
+            start, n = row_share(M, P, _tp_rank(tp) % P)
+            ids = ids[start:start + n]
+        n = x.shape[0]
+        flat = ids.reshape(-1)                                                     # (n*K,)
+        order = torch.argsort(flat, stable=True)     # by expert id, hence by owner rank
+        expert_sorted = flat.index_select(0, order)
+        send = torch.bincount(expert_sorted // self.local_experts, minlength=W)     # (W,)
+        recv = all_to_all_rows(send, None, None, self.ep_group)                    # (W,)
+        send, recv = send.tolist(), recv.tolist()
+        rows = x.index_select(0, order // K)                                       # (n*K, H)
+        got = all_to_all(rows, recv, send, self.ep_group)                          # (R, H)
+        got_expert = all_to_all_rows(expert_sorted, recv, send, self.ep_group)     # (R,)
+        # Received rows arrive by source rank; run them grouped by expert, ascending id.
+        local_order = torch.argsort(got_expert, stable=True)
+        counts = torch.bincount(got_expert, minlength=self.num_experts).tolist()
+        y_sorted = self._run_local_experts(got, local_order, counts)               # (R, H)
+        y_got = y_sorted.index_select(0, _inverse(local_order))                    # (R, H)
+        y_rows = all_to_all(y_got, send, recv, self.ep_group)                      # (n*K, H)
+        y = y_rows.index_select(0, _inverse(order)).view(n, K, -1)                 # (n, K, H)
+        out = tk.moe_combine(weights, y)                                           # (n, H)
+        return gather_rows_from_region(out, tp, M, P)                              # (M, H)
 
     def _run_local_experts(self, x: torch.Tensor, token_of_row: torch.Tensor,
                            counts: list) -> torch.Tensor:
@@ -80,10 +138,17 @@ class SparseMoeBlock(nn.Module):
             outs.append(tk.linear(h, self.down_proj[e], chunks=self.chunks))      # (n, H)
             start += n
         if not outs:
-            return x.new_zeros(0, x.shape[1])
+            # x[:0] keeps the graph connected, so every EP rank runs the backward all_to_all.
+            return x[:0]
         return torch.cat(outs, 0)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts} (local {self.first_expert}.."
+        return (f"ep={self.ep_size}, experts={self.num_experts} (local {self.first_expert}.."
                 f"{self.first_expert + self.local_experts - 1}), top_k={self.top_k}, "
                 f"norm_topk_prob={self.norm_topk_prob}, intermediate={self.intermediate}")
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv

@@ -8,10 +8,19 @@
 Without a cache every sequence is whole (positions 0..n-1) and the forward is differentiable;
 with a cache, sequence i continues slot cache_slots[i] from cache.lengths[slot]. Nothing else
 differs: the same kernels see the same rows, so a token's logits are the same bits either way.
+
+Under tensor / expert parallelism (`groups`, a tonp_parallel.ParallelGroups) every layer holds
+its local shard (see tonp_models/layers) and every output is the same bits as the unsharded
+model's: `forward` returns the full fp32 logits on every rank (the vocab shards are gathered,
+which is exact; the generator only asks for the decode rows), while `token_logprobs` scores
+with the vocab-parallel LM head without gathering the vocabulary. Every rank of a TP/EP group
+must make the same calls (TP ranks with the same tokens; EP ranks any tokens).
+`torch.manual_seed(s)` before construction gives every rank the shards of the weights the
+unsharded model gets from the same seed.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,6 +29,7 @@ import tonp_kernels as tk
 
 from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
                       RotaryEmbedding, SparseMoeBlock)
+from ..layers.linear import Shard, shards_of
 from .config import Qwen3MoeConfig
 
 
@@ -38,7 +48,8 @@ class DecoderLayer(nn.Module):
         if c.is_sparse_layer(layer_idx):
             self.mlp = SparseMoeBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts,
                                       c.num_experts_per_tok, c.norm_topk_prob,
-                                      chunks=c.reduction_chunks, ep_group=ep, dtype=dtype)
+                                      chunks=c.reduction_chunks, ep_group=ep, tp_group=tp,
+                                      dtype=dtype)
         else:
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, chunks=c.reduction_chunks,
                                 tp_group=tp, dtype=dtype)
@@ -50,6 +61,22 @@ class DecoderLayer(nn.Module):
 
 def _group(groups, name):
     return None if groups is None else getattr(groups, name, None)
+
+
+def _check_layout(config: Qwen3MoeConfig, groups) -> None:
+    """Clear errors for a layout the model cannot be split by (before any weight is built)."""
+    tp, ep = _group(groups, "tp_group"), _group(groups, "ep_group")
+    if tp is None and ep is None:
+        return
+    import tonp_parallel as tpar
+    if getattr(groups, "expert_tp_size", 1) != 1:
+        raise ValueError(f"Qwen3MoeForCausalLM: expert tensor parallelism (expert_tp="
+                         f"{groups.expert_tp_size}) is not supported; experts are whole on "
+                         f"each rank (init_parallel(..., expert_tp=1))")
+    t, e = tpar.group_size(tp), tpar.group_size(ep)
+    tpar.validate_model_layout(config, tp=t, ep=e)
+    if t > 1 and e > 1 and t % e and e % t:
+        raise ValueError(f"Qwen3MoeForCausalLM: tp={t} and ep={e} must divide one another")
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -68,34 +95,51 @@ class Qwen3MoeForCausalLM(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
+        _check_layout(config, groups)
         self.config, self.dtype, self.groups = config, dtype, groups
-        c = config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        c, tp = config, _group(groups, "tp_group")
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = LMHead(c.vocab_size, c.hidden_size, chunks=c.reduction_chunks,
                               tied=self.embed_tokens if c.tie_word_embeddings else None,
-                              dtype=dtype)
+                              dtype=dtype, tp_group=tp)
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0."""
+        """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0.
+        A sharded matrix draws the full tensor and keeps its shard, so the RNG stream (and
+        every weight) is the unsharded model's."""
+        shards = self.parameter_shards()
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith("bias"):
                     p.zero_()
+                elif name in shards:
+                    full = torch.empty(shards[name].full_shape(p.shape), dtype=p.dtype)
+                    full.normal_(0.0, self.config.initializer_range)
+                    p.copy_(shards[name].take(full))
                 else:
                     p.normal_(0.0, self.config.initializer_range)
+
+    def parameter_shards(self) -> Dict[str, Shard]:
+        """{parameter name: Shard} for every parameter this rank holds only a slice of."""
+        out = {}
+        for mname, mod in self.named_modules():
+            for pname, shard in shards_of(mod).items():
+                out[f"{mname}.{pname}" if mname else pname] = shard
+        return out
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
                 attention_mask: Optional[torch.Tensor] = None, cache: Optional[PagedKVCache] = None,
                 cache_slots: Optional[Sequence[int]] = None,
-                logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False
+                ) -> torch.Tensor:
         """Logits (fp32) of packed or padded sequences, optionally extending a paged KV cache.
 
         Args:
@@ -105,12 +149,14 @@ class Qwen3MoeForCausalLM(nn.Module):
             cache, cache_slots: extend sequence i of the batch in cache slot cache_slots[i]
                 from position cache.lengths[slot]; the cache is committed at the end.
             logits_rows: int64 [R] packed row indices: only those rows get logits.
+            return_hidden: packed input only: return the final-normed hidden states [T|R, H]
+                instead of logits (for `lm_head.token_logprobs` / `lm_head.argmax`).
         Returns: fp32 [T, V] (packed), [R, V] (logits_rows), or [B, L, V] (padded, pads 0).
         """
         if input_ids.dim() == 2:
-            if cu_seqlens is not None or logits_rows is not None:
+            if cu_seqlens is not None or logits_rows is not None or return_hidden:
                 raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
-                                 "attention_mask, not cu_seqlens/logits_rows")
+                                 "attention_mask, not cu_seqlens/logits_rows/return_hidden")
             mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
                 else attention_mask.bool()
             if mask.shape != input_ids.shape:
@@ -147,7 +193,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             cache.commit(step)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())                              # (R, H)
-        return self.lm_head(self.norm(h))                                          # (T|R, V)
+        h = self.norm(h)                                                           # (T|R, H)
+        if return_hidden:
+            return h
+        return self.lm_head(h)                                                     # (T|R, V)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         V = self.config.vocab_size
@@ -228,7 +277,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             # Only rows that predict a token go through the final norm and LM head.
             rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]) - 1)
                               for i in range(len(seqs))]) if seqs else targets
-            logits = self.forward(torch.cat(seqs), cu, logits_rows=rows)           # (R, V)
+            h = self.forward(torch.cat(seqs), cu, logits_rows=rows, return_hidden=True)
+            # The LM head scores its vocab shard and finishes the vocab tree across TP ranks.
+            lp = self.lm_head.token_logprobs(h, targets, temperature=temperature)  # (R,)
+            return list(lp.split([n - 1 for n in lens]))
         else:
             L = max(lens)
             ids = torch.zeros(len(seqs), L, dtype=torch.long)
