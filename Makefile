@@ -18,7 +18,6 @@ $(DEPS): requirements.txt requirements-test.txt
 
 $(EXT): $(DEPS) $(SRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 build: $(EXT)
