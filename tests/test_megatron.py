@@ -290,14 +290,23 @@ def _tp2(mode):
             h = model.embed_tokens(torch.stack(seqs)).transpose(0, 1).contiguous()
             got = _logits(model, block, h).transpose(0, 1).reshape(ref.shape)
         local_heads = block.layers[0].self_attention.local_heads
+        # megatron dist-checkpointing sees the shards with their global shapes
+        sharded = block.sharded_state_dict()
+        shapes = {k: tuple(sharded[k].global_shape) for k in (
+            "layers.0.self_attention.q_proj.weight", "layers.0.self_attention.o_proj.weight",
+            "layers.1.mlp.down_proj.weight", "layers.0.mlp.gate_up_proj")}
     ps.destroy_model_parallel()
-    return got, ref, local_heads
+    return got, ref, (local_heads, shapes)
 
 
 def test_tp2_under_megatron_parallel_state_equals_tp1(spawned):
     for rank, r in enumerate(spawned):
-        got, ref, heads = r["tp2"]
+        got, ref, (heads, shapes) = r["tp2"]
         assert heads == 2                                     # 4 heads over 2 ranks
+        assert shapes == {"layers.0.self_attention.q_proj.weight": (64, 64),
+                          "layers.0.self_attention.o_proj.weight": (64, 64),
+                          "layers.1.mlp.down_proj.weight": (64, 128),
+                          "layers.0.mlp.gate_up_proj": (8, 64, 64)}, shapes
         assert_bitwise(got, ref, f"TP=2 rank {rank} vs TP=1")
 
 

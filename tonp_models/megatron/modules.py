@@ -78,6 +78,27 @@ def _init_weights(config, params, output_params=()) -> None:
             config.output_layer_init_method(p)
 
 
+def _mark_tp(pairs, tp_group, sharded_sd_self) -> None:
+    """Tag TP-sharded weights as megatron's parallel linears do (tensor_model_parallel,
+    partition_dim): megatron's grad-norm clipping counts an untagged parameter on TP rank 0
+    only, which is wrong for a shard. Also keeps the axis map for `sharded_state_dict`
+    (megatron dist-checkpointing; it takes its groups from parallel_state)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    axis = {}
+    for name, dim in pairs:
+        param = sharded_sd_self.get_parameter(name)
+        set_tensor_model_parallel_attributes(param, True, dim, 1)
+        axis[name] = dim
+    sharded_sd_self._tp_axis_map, sharded_sd_self._tp_group = axis, tp_group
+
+
+def _sharded_state_dict(module, prefix="", sharded_offsets=(), metadata=None):
+    """megatron dist-checkpointing entries: TP shards along their axis, the rest replicated."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+    sd = module.state_dict(prefix="", keep_vars=True)
+    return make_sharded_tensors_for_checkpoint(sd, prefix, module._tp_axis_map, sharded_offsets)
+
+
 def tonp_bias_dropout_add(training: bool, fused: bool):
     """The `self_attn_bda` / `mlp_bda` of the tonp spec: residual + dropout(x + bias).
 
@@ -139,6 +160,10 @@ class TonpDenseMLP(DenseMLP):
         self.config = config
         _init_weights(config, [self.gate_proj.weight, self.up_proj.weight],
                       [self.down_proj.weight])
+        _mark_tp([("gate_proj.weight", 0), ("up_proj.weight", 0), ("down_proj.weight", 1)],
+                 tp_group, self)
+
+    sharded_state_dict = _sharded_state_dict
 
     def forward(self, hidden_states: torch.Tensor, padding_mask=None):
         s, b, h = hidden_states.shape
@@ -189,6 +214,10 @@ class TonpSelfAttention(Attention):
         self._rope_checked = False
         _init_weights(config, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                       [self.o_proj.weight])
+        _mark_tp([("q_proj.weight", 0), ("k_proj.weight", 0), ("v_proj.weight", 0),
+                  ("o_proj.weight", 1)], tp, self)
+
+    sharded_state_dict = _sharded_state_dict
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -211,7 +240,7 @@ class TonpSelfAttention(Attention):
                 raise ValueError("TonpSelfAttention: packed_seq_params with an inference_context "
                                  "is not supported")
             x = hidden_states.transpose(0, 1).reshape(b * s, h)                    # (b*s, h)
-            cache, step = _static_cache_step(inference_context, self, b, s, x.dtype)
+            cache, step = _static_cache_step(inference_context, self, b, s, x.dtype, x.device)
             y = super().forward(x, step.positions, rotary, cache=cache, step=step)
             return y.view(b, s, h).transpose(0, 1).contiguous(), None
         if packed_seq_params is not None:
@@ -281,7 +310,7 @@ def _check_causal_mask(mask, s: int) -> None:
                          "pass ragged or padded sequences as packed_seq_params (thd)")
 
 
-def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype):
+def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype, device):
     """Map a StaticInferenceContext onto a tonp PagedKVCache: batch row i is cache slot i.
 
     The first layer of a forward prepares the step (pages, positions) and commits it; the other
@@ -297,7 +326,7 @@ def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype):
         pages = ctx.max_batch_size * -(-ctx.max_sequence_length // B)
         cache = PagedKVCache(attn.config.num_layers, attn.local_kv_heads, attn.head_dim,
                              page_size=B, num_pages=pages, max_seqs=ctx.max_batch_size,
-                             max_seq_len=ctx.max_sequence_length, dtype=dtype)
+                             max_seq_len=ctx.max_sequence_length, dtype=dtype, device=device)
         for _ in range(ctx.max_batch_size):
             cache.add_sequence()                     # slots 0..max_batch_size-1, in order
         ctx.tonp_cache, ctx.tonp_step = cache, (None, None)
