@@ -119,7 +119,7 @@ class SparseMoeBlock(nn.Module):
         y_sorted = self._run_local_experts(got, local_order, counts)               # (R, H)
         y_got = y_sorted.index_select(0, _inverse(local_order))                    # (R, H)
         y_rows = all_to_all(y_got, send, recv, self.ep_group)                      # (n*K, H)
-        y = y_rows.index_select(0, _inverse(order)).view(n, K, -1)                 # (n, K, H)
+        y = y_rows.index_select(0, _inverse(order)).view(n, K, x.shape[1])         # (n, K, H)
         out = tk.moe_combine(weights, y)                                           # (n, H)
         return gather_rows_from_region(out, tp, M, P)                              # (M, H)
 
