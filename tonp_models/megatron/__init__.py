@@ -11,9 +11,10 @@ state dicts lives with the model's name table: `tonp_models.qwen3_moe.megatron_c
 from .config import (check_transformer_config, moe_layer_pattern, qwen3_config_from_transformer,
                      transformer_config_from_qwen3)
 from .modules import (TonpDenseMLP, TonpRMSNorm, TonpSelfAttention, TonpSparseMoE,
-                      single_process_groups, tonp_bias_dropout_add)
+                      load_global_state_dict, single_process_groups,
+                      tonp_bias_dropout_add)
 from .specs import get_tonp_block_spec, get_tonp_layer_spec
 
 __all__ = ["check_transformer_config", "moe_layer_pattern", "qwen3_config_from_transformer",
            "transformer_config_from_qwen3", "TonpDenseMLP", "TonpRMSNorm", "TonpSelfAttention",
-           "TonpSparseMoE", "tonp_bias_dropout_add", "single_process_groups", "get_tonp_block_spec", "get_tonp_layer_spec"]
+           "TonpSparseMoE", "tonp_bias_dropout_add", "single_process_groups", "load_global_state_dict", "get_tonp_block_spec", "get_tonp_layer_spec"]

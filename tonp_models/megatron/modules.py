@@ -34,6 +34,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
 
 from ..layers import Attention, DenseMLP, PagedKVCache, RMSNorm, RotaryEmbedding, SparseMoeBlock
+from ..layers.linear import shards_of
 from .config import check_transformer_config
 
 
@@ -78,18 +79,39 @@ def _init_weights(config, params, output_params=()) -> None:
             config.output_layer_init_method(p)
 
 
-def _mark_tp(pairs, tp_group, sharded_sd_self) -> None:
-    """Tag TP-sharded weights as megatron's parallel linears do (tensor_model_parallel,
-    partition_dim): megatron's grad-norm clipping counts an untagged parameter on TP rank 0
-    only, which is wrong for a shard. Also keeps the axis map for `sharded_state_dict`
-    (megatron dist-checkpointing; it takes its groups from parallel_state)."""
+def _mark_shards(module) -> None:
+    """Tag sharded weights as megatron's parallel layers do. TP shards get tensor_model_parallel
+    / partition_dim (megatron's grad-norm clipping counts an untagged parameter on TP rank 0
+    only, wrong for a shard) and go into the axis map of `sharded_state_dict`; EP shards get
+    allreduce=False (megatron's DDP then reduces them over the expert-data-parallel group)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     axis = {}
-    for name, dim in pairs:
-        param = sharded_sd_self.get_parameter(name)
-        set_tensor_model_parallel_attributes(param, True, dim, 1)
-        axis[name] = dim
-    sharded_sd_self._tp_axis_map, sharded_sd_self._tp_group = axis, tp_group
+    for prefix, sub in module.named_modules():
+        for name, shard in shards_of(sub).items():
+            param = sub.get_parameter(name)
+            if shard.group == "tp":
+                set_tensor_model_parallel_attributes(param, True, shard.dim, 1)
+                axis[f"{prefix}.{name}" if prefix else name] = shard.dim
+            elif shard.group == "ep":
+                param.allreduce = False
+    module._tp_axis_map = axis
+
+
+def load_global_state_dict(module, state_dict, strict: bool = True):
+    """Load global (TP = EP = 1) tensors into `module` built on any TP/EP rank: each sharded
+    parameter takes its slice by the layer's own Shard metadata (TP heads, replicated KV heads,
+    EP expert ranges). Keys as in module.state_dict(); returns load_state_dict's result."""
+    local = {}
+    owners = {p: (sub, n) for _, sub in module.named_modules()
+              for n, p in sub.named_parameters(recurse=False)}
+    params = dict(module.named_parameters())
+    for k, v in state_dict.items():
+        if k in params:
+            sub, n = owners[params[k]]
+            shard = shards_of(sub).get(n)
+            v = shard.take(v) if shard is not None else v
+        local[k] = v
+    return module.load_state_dict(local, strict=strict)
 
 
 def _sharded_state_dict(module, prefix="", sharded_offsets=(), metadata=None):
@@ -123,19 +145,22 @@ class TonpSparseMoE(SparseMoeBlock):
     """tonp's SparseMoeBlock as megatron's `mlp` of an MoE layer.
 
     Args: config (num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_router_pre_softmax),
-    pg_collection (its `ep` group; experts are whole on each rank and replicated over TP),
+    pg_collection (`ep` holds the experts, each whole on its rank; `tp` ranks share the tokens
+    and split the expert dispatch under EP; at EP 1 every TP rank runs all experts),
     reduction_chunks (C). forward([s, b, h], padding_mask=None) -> (out [s, b, h], None).
     """
 
     def __init__(self, config, submodules=None, pg_collection=None, *, reduction_chunks: int = 8,
                  **_unused):
         check_transformer_config(config)
-        (ep,) = _groups(pg_collection, "ep")
+        ep, tp = _groups(pg_collection, "ep", "tp")
         super().__init__(config.hidden_size, config.moe_ffn_hidden_size, config.num_moe_experts,
                          config.moe_router_topk, not config.moe_router_pre_softmax,
-                         chunks=reduction_chunks, ep_group=ep, dtype=config.params_dtype)
+                         chunks=reduction_chunks, ep_group=ep, tp_group=tp,
+                         dtype=config.params_dtype)
         self.config = config
         _init_weights(config, [self.gate, self.gate_up_proj], [self.down_proj])
+        _mark_shards(self)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask=None):
         # padding_mask only weights megatron's auxiliary losses; tonp computes none.
@@ -160,8 +185,7 @@ class TonpDenseMLP(DenseMLP):
         self.config = config
         _init_weights(config, [self.gate_proj.weight, self.up_proj.weight],
                       [self.down_proj.weight])
-        _mark_tp([("gate_proj.weight", 0), ("up_proj.weight", 0), ("down_proj.weight", 1)],
-                 tp_group, self)
+        _mark_shards(self)
 
     sharded_state_dict = _sharded_state_dict
 
@@ -214,8 +238,7 @@ class TonpSelfAttention(Attention):
         self._rope_checked = False
         _init_weights(config, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                       [self.o_proj.weight])
-        _mark_tp([("q_proj.weight", 0), ("k_proj.weight", 0), ("v_proj.weight", 0),
-                  ("o_proj.weight", 1)], tp, self)
+        _mark_shards(self)
 
     sharded_state_dict = _sharded_state_dict
 
@@ -354,5 +377,5 @@ def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype, devi
     return cache, ctx.tonp_step[1]
 
 
-__all__ = ["single_process_groups", "TonpRMSNorm", "TonpSelfAttention", "TonpSparseMoE", "TonpDenseMLP",
+__all__ = ["single_process_groups", "load_global_state_dict", "TonpRMSNorm", "TonpSelfAttention", "TonpSparseMoE", "TonpDenseMLP",
            "tonp_bias_dropout_add"]

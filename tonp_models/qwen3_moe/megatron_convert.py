@@ -4,7 +4,7 @@
     mcore_sd = tonp_to_megatron(model.state_dict(), config)   # tonp -> megatron-core GPTModel
     hf_sd = megatron_to_hf(mcore_sd, config); mcore_sd = hf_to_megatron(hf_sd, config)
     spec_sd = tonp_to_spec(tonp_sd)       # a megatron GPTModel built with get_tonp_block_spec
-    local = tp_shard(tonp_sd, tp_rank, tp_size)               # one TP rank's slices
+(On a TP/EP rank, load global tensors with tonp_models.megatron.load_global_state_dict.)
 
 Every conversion is driven by the HF name/shard table of `checkpoint.py` (`TABLE`, expanded per
 layer and expert by `hub_slots` on a meta-device model): `MEGATRON` below gives, for each HF
@@ -250,7 +250,7 @@ def tonp_to_megatron(tonp_sd, config: Qwen3MoeConfig, **layout) -> Dict[str, tor
 
 
 # ---------------------------------------------------------------------------------------------
-# tonp <-> a megatron model built with tonp's spec; TP shards
+# tonp <-> a megatron model built with tonp's spec
 # ---------------------------------------------------------------------------------------------
 # The tonp-spec modules ARE tonp's layers, so only the module paths differ.
 _SPEC_NAMES = [  # (tonp prefix, prefix in a megatron GPTModel built with get_tonp_block_spec)
@@ -297,27 +297,6 @@ def spec_to_tonp(spec_sd, *, block_only: bool = False) -> Dict[str, torch.Tensor
     return _rename(spec_sd, pairs)
 
 
-# tonp parameter template -> the dim a TP rank slices (from TABLE's rows that shard).
-TP_DIMS = {tonp: tp for _, tonp, part, tp, ep, _ in TABLE if tp is not None and part is None}
-_TP_PATTERNS = [(_pattern(t), d) for t, d in TP_DIMS.items()]
-
-
-def tp_shard(tonp_sd, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
-    """This TP rank's slices of global tonp tensors (column-parallel rows / row-parallel
-    columns, by TABLE's shard dims); replicated tensors are returned whole."""
-    out = {}
-    for k, v in tonp_sd.items():
-        dim = next((d for pat, d in _TP_PATTERNS if pat.match(k)), None)
-        if dim is None or tp_size == 1:
-            out[k] = v
-            continue
-        if v.shape[dim] % tp_size:
-            raise ValueError(f"tp_shard: {k} dim {dim} ({v.shape[dim]}) is not divisible by "
-                             f"tp_size={tp_size}")
-        out[k] = v.chunk(tp_size, dim)[tp_rank].contiguous()
-    return out
-
-
 __all__ = ["MEGATRON", "EXPERT_LAYOUTS", "TP_DIMS", "hf_to_megatron", "megatron_to_hf",
            "hf_to_tonp", "tonp_to_hf", "megatron_to_tonp", "tonp_to_megatron", "tonp_to_spec",
-           "spec_to_tonp", "tp_shard"]
+           "spec_to_tonp"]
