@@ -133,6 +133,7 @@ def _rank_main(with_megatron: bool):
                  tpar.tree_reduce_scatter(x, world, 1))
     with tk.use("torch"):
         res["stock_region"] = tpar.reduce_from_region(_partial(rank, (1000,)), world)
+        res["stock_rs"] = tpar.reduce_scatter_to_region(x, world, 1)
 
     # Row-parallel linear on TP = W: the kernel's subtree partial, then the fixed tree.
     g = torch.Generator().manual_seed(3)
@@ -200,6 +201,7 @@ def test_reduce_scatter_and_region_modes(world):
         if rs0 is not None:
             assert torch.equal(rs0, full.chunk(W, 0)[rank])
         assert torch.equal(rs1, full.chunk(W, 1)[rank])
+        torch.testing.assert_close(res[rank]["stock_rs"], rs1, rtol=0, atol=64.0)  # |x| <= 1e8
         assert torch.equal(res[rank]["stock_region"], res[rank]["gloo"]["k1"])  # "torch" mode
     g = torch.Generator().manual_seed(3)
     act, weight = torch.randn(5, 64, generator=g), torch.randn(16, 64, generator=g)

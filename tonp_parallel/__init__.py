@@ -12,8 +12,8 @@ Modules: groups.py (layout, ParallelGroups, init_parallel), layout.py (model div
 collectives.py (tree all-reduce / reduce-scatter), regions.py (autograd pairs).
 """
 from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all_gather_stacked,
-                          group_rank, group_size, tree_all_reduce, tree_order_sum,
-                          tree_reduce_scatter)
+                          clear_workspace, group_rank, group_size, tree_all_reduce,
+                          tree_order_sum, tree_reduce_scatter)
 from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, init_parallel,
                      rank_layout)
 from .layout import validate_model_layout
@@ -25,6 +25,7 @@ __all__ = [
     "default_backend", "validate_model_layout",
     "tree_all_reduce", "tree_reduce_scatter", "tree_order_sum", "all_gather_stacked",
     "all_gather_along", "group_size", "group_rank", "SMALL_MESSAGE_BYTES", "ALGORITHMS",
+    "clear_workspace",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
     "reduce_scatter_to_region", "gather_partials", "all_to_all",
 ]
