@@ -184,7 +184,7 @@ def _update_inference_tensor(w, new):  # rollout-side weights made under inferen
 @pytest.mark.parametrize("update", (_update_under_no_grad, _update_through_data,
                                     _update_inference_tensor), ids=lambda f: f.__name__[8:])
 def test_packed_weights_follow_in_place_updates(update, gen):
-    """The kernel caches a packed copy of each weight: every way a trainer or a weight sync
+    """If the kernel keeps any packed copy of a weight, every way a trainer or a weight sync
     rewrites a weight in place must be seen (a stale pack would silently use old weights)."""
     K, N = 64, 16
     x = randn(3, K, gen=gen)
