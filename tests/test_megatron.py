@@ -156,6 +156,14 @@ def test_refused_settings_and_masks_fail_clearly():
         block(h, attention_mask=pad)
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None]
     assert torch.equal(block(h, attention_mask=causal), block(h, attention_mask=None))
+    # megatron's rotary_pos_emb ([s, 1, 1, d] angles) is checked against the spec's base
+    def angles(base):
+        inv = 1.0 / (base ** (torch.arange(0, 16, 2).float() / 16))
+        f = torch.outer(torch.arange(6).float(), inv)
+        return torch.cat((f, f), -1)[:, None, None, :]
+    block(h, attention_mask=None, rotary_pos_emb=angles(model.config.rope_theta))
+    with pytest.raises(ValueError, match="rotary_base"):
+        _block(model)(h, attention_mask=None, rotary_pos_emb=angles(500000.0))
 
 
 def test_config_maps_both_ways():

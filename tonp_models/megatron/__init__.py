@@ -17,4 +17,5 @@ from .specs import get_tonp_block_spec, get_tonp_layer_spec
 
 __all__ = ["check_transformer_config", "moe_layer_pattern", "qwen3_config_from_transformer",
            "transformer_config_from_qwen3", "TonpDenseMLP", "TonpRMSNorm", "TonpSelfAttention",
-           "TonpSparseMoE", "tonp_bias_dropout_add", "single_process_groups", "load_global_state_dict", "get_tonp_block_spec", "get_tonp_layer_spec"]
+           "TonpSparseMoE", "tonp_bias_dropout_add", "single_process_groups",
+           "load_global_state_dict", "get_tonp_block_spec", "get_tonp_layer_spec"]

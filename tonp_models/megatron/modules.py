@@ -134,7 +134,8 @@ def tonp_bias_dropout_add(training: bool, fused: bool):
 # Norm and MLPs
 # ---------------------------------------------------------------------------------------------
 class TonpRMSNorm(RMSNorm):
-    """tonp's RMSNorm built like megatron's norms: (config, hidden_size, eps). [..., h] -> [..., h]."""
+    """tonp's RMSNorm built like megatron's norms: (config, hidden_size, eps).
+    [..., h] -> [..., h]."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps, config.params_dtype)
@@ -199,7 +200,7 @@ class TonpDenseMLP(DenseMLP):
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def _shared_rotary(head_dim: int, theta: float, max_positions: int) -> RotaryEmbedding:
-    """One table per shape for all layers (48 private copies of a 40k x 128 table would cost GBs)."""
+    """One table per shape for all layers (48 private 40k x 128 tables would cost GBs)."""
     return RotaryEmbedding(head_dim, theta, max_positions)
 
 
@@ -377,5 +378,5 @@ def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype, devi
     return cache, ctx.tonp_step[1]
 
 
-__all__ = ["single_process_groups", "load_global_state_dict", "TonpRMSNorm", "TonpSelfAttention", "TonpSparseMoE", "TonpDenseMLP",
-           "tonp_bias_dropout_add"]
+__all__ = ["single_process_groups", "load_global_state_dict", "TonpRMSNorm", "TonpSelfAttention",
+           "TonpSparseMoE", "TonpDenseMLP", "tonp_bias_dropout_add"]

@@ -129,7 +129,8 @@ def _megatron_slots(config: Qwen3MoeConfig, fused_norms: bool, experts: str
         else:
             region = lambda t: t
         if fused_norms and meg.endswith(".input_layernorm.weight"):
-            meg = meg.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+            meg = meg.replace("input_layernorm.weight",
+                              "self_attention.linear_qkv.layer_norm_weight")
         if fused_norms and meg.endswith(".pre_mlp_layernorm.weight") and not c.is_sparse_layer(L):
             meg = meg.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
         if e is not None and experts == "te_grouped":
@@ -297,6 +298,6 @@ def spec_to_tonp(spec_sd, *, block_only: bool = False) -> Dict[str, torch.Tensor
     return _rename(spec_sd, pairs)
 
 
-__all__ = ["MEGATRON", "EXPERT_LAYOUTS", "TP_DIMS", "hf_to_megatron", "megatron_to_hf",
+__all__ = ["MEGATRON", "EXPERT_LAYOUTS", "hf_to_megatron", "megatron_to_hf",
            "hf_to_tonp", "tonp_to_hf", "megatron_to_tonp", "tonp_to_megatron", "tonp_to_spec",
            "spec_to_tonp"]
