@@ -147,6 +147,7 @@ def _rank_main(with_megatron: bool):
     res["groups"] = (groups.tp_rank, groups.tp_size, groups.ep_rank, groups.ep_size,
                      groups.dp_rank, groups.dp_size, list(groups.local_experts(8)))
     res["tp_tree"] = tpar.tree_all_reduce(_partial(rank, (50,)), groups.tp_group)
+    res["groups_reused"] = tpar.init_parallel(tp=2, ep=1).tp_group is groups.tp_group
     if W == 4:  # expert_tp = 2: EP groups take every other rank, {0, 2} and {1, 3}
         strided = tpar.init_parallel(tp=2, ep=2, expert_tp=2)
         res["ep_tree"] = tpar.tree_all_reduce(_partial(rank, (50,)), strided.ep_group,
@@ -220,6 +221,7 @@ def test_groups_follow_the_documented_layout(world):
         experts = list(range(ep_ranks.index(rank) * 4, ep_ranks.index(rank) * 4 + 4))
         assert res[rank]["groups"] == (tp_ranks.index(rank), 2, ep_ranks.index(rank), 2,
                                        dp_ranks.index(rank), W // 2, experts)
+        assert res[rank]["groups_reused"]  # a second init_parallel makes no new communicator
         members = [_partial(r, (50,)) for r in tp_ranks]
         assert torch.equal(res[rank]["tp_tree"], tk.tree_sum(members))
         if W == 4:

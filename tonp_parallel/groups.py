@@ -206,6 +206,10 @@ def _set_device(backend: str) -> None:
         torch.npu.set_device(local)
 
 
+_GROUP_CACHE: Dict[Ranks, Optional[dist.ProcessGroup]] = {}
+_CACHE_WORLD: Optional[dist.ProcessGroup] = None
+
+
 def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Optional[str] = None,
                   timeout: timedelta = timedelta(minutes=10)) -> ParallelGroups:
     """Create the TP / EP / DP groups of the module-doc layout on every rank.
@@ -229,16 +233,20 @@ def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Opti
     layout = rank_layout(world, tp, ep, expert_tp)
 
     # new_group is collective over the whole world: every rank creates every group, in the same
-    # order. Groups with the same ranks (e.g. EP = TP) share one communicator.
-    made: Dict[Ranks, Optional[dist.ProcessGroup]] = {}
+    # order. Groups with the same ranks (e.g. EP = TP, or an earlier init_parallel call) share
+    # one communicator; the cache lives as long as the default process group.
+    global _CACHE_WORLD
+    if _CACHE_WORLD is not dist.group.WORLD:
+        _GROUP_CACHE.clear()
+        _CACHE_WORLD = dist.group.WORLD
     mine: Dict[str, Optional[dist.ProcessGroup]] = {}
     for kind in ("tp", "dp", "ep", "expert_tp"):
         for ranks in getattr(layout, f"{kind}_groups"):
-            if ranks not in made:
-                made[ranks] = None if len(ranks) == 1 else dist.new_group(list(ranks),
-                                                                          timeout=timeout)
+            if ranks not in _GROUP_CACHE:
+                _GROUP_CACHE[ranks] = None if len(ranks) == 1 else dist.new_group(
+                    list(ranks), timeout=timeout)
             if rank in ranks:
-                mine[kind] = made[ranks]
+                mine[kind] = _GROUP_CACHE[ranks]
 
     def _pos(kind):
         ranks = layout.group_of(kind, rank)
