@@ -33,6 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [[3, 17, 200, 45], [250, 9], [11, 12, 13, 14, 15, 16, 17]]
 NEW_TOKENS = 4
 SAMPLING = dict(temperature=0.8, top_p=0.9, seed=5)
+CHECKPOINT_LAYOUTS = [(4, 1), (2, 2), (2, 4)]
 
 
 def _config(**kw):
@@ -75,7 +76,7 @@ def _grads(model, seqs, g):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _layouts_rank():
+def _layouts_rank(ckpt: str):
     import tonp_parallel as tpar
     from tonp_models import Qwen3MoeForCausalLM
     results, prev = [], None
@@ -89,6 +90,10 @@ def _layouts_rank():
                  shards=model.parameter_shards(),
                  params={n: p.detach().clone() for n, p in model.named_parameters()})
         r.update(_outputs(model, seqs, prev if dt == "fp32" else None))
+        if (tp, ep) in CHECKPOINT_LAYOUTS:  # sharded load and gathered save
+            loaded = Qwen3MoeForCausalLM.from_pretrained(f"{ckpt}/{dt}", groups=g)
+            r["loaded"] = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+            model.save_pretrained(f"{ckpt}/saved_{tp}_{ep}_{dt}")
         if dt == "fp32":
             r["grads"] = _grads(model, seqs, g)
             prev = r["sampled"]
@@ -118,8 +123,17 @@ def _layouts_rank():
 
 
 @pytest.fixture(scope="module")
-def spawned():
-    return run_distributed(_layouts_rank, WORLD, timeout=600)
+def ckpt_dir(tmp_path_factory):
+    """The single-process models saved in the hub layout (fp32 and bf16)."""
+    path = tmp_path_factory.mktemp("parallel_ckpt")
+    for dt, dtype in DTYPES.items():
+        _reference(dtype).save_pretrained(path / dt)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spawned(ckpt_dir):
+    return run_distributed(_layouts_rank, WORLD, str(ckpt_dir), timeout=600)
 
 
 def _reference(dtype):
@@ -156,6 +170,30 @@ def test_every_layout_equals_the_single_process_model(spawned):
             assert torch.equal(r["argmax"], tk.argmax(exp["logits"])), f"{what}: argmax"
             _assert_same_rollout(r["greedy"], exp["greedy"], f"{what}: greedy generate")
             _assert_same_rollout(r["sampled"], exp["sampled"], f"{what}: sampled generate")
+
+
+def test_sharded_load_and_gathered_save(spawned, ckpt_dir):
+    """from_pretrained under TP/EP reads each rank's slices (KV copies, vocab rows, expert
+    ranges) = the seeded shards; save_pretrained gathers to the single-process hub files."""
+    from safetensors.torch import load_file
+    checked = 0
+    for rank_out in spawned:
+        for r in rank_out["layouts"]:
+            if "loaded" not in r:
+                continue
+            for n, p in r["params"].items():
+                assert torch.equal(r["loaded"][n], p), f"{r['layout']} rank {r['rank']}: {n}"
+            checked += 1
+    assert checked == WORLD * (len(CHECKPOINT_LAYOUTS) + 1)
+    for dt in DTYPES:
+        want = load_file(ckpt_dir / dt / "model.safetensors")
+        for tp, ep in CHECKPOINT_LAYOUTS:
+            if (tp, ep, dt) not in LAYOUTS:
+                continue
+            got = load_file(ckpt_dir / f"saved_{tp}_{ep}_{dt}" / "model.safetensors")
+            assert got.keys() == want.keys()
+            for k in want:
+                assert torch.equal(got[k], want[k]), f"saved at tp={tp} ep={ep} {dt}: {k}"
 
 
 def test_rollout_at_one_layout_scores_identically_at_another(spawned):

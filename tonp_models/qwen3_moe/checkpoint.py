@@ -4,7 +4,11 @@ the saver and the tests.
 Each row of `TABLE` says: HF name template, tonp parameter template, which part of the tonp
 parameter it fills, the dim a tensor-parallel rank shards (of the HF tensor), and whether the
 parameter's dim 0 is the expert dim (sharded by expert parallelism: a rank holds a contiguous
-range of expert ids). `{L}` is a layer index, `{E}` an expert id.
+range of expert ids). `{L}` is a layer index, `{E}` an expert id. Which slice a rank holds is
+its module's `Shard` (tonp_models.layers.linear; e.g. replicated KV heads at TP > KV heads):
+the loader reads exactly that slice of each HF tensor (`safe_open(...).get_slice`, memory-
+mapped), so a rank never reads other ranks' weights; the saver gathers the shards over the TP
+and EP groups and global rank 0 alone writes the hub layout.
 
 Two layouts load: the hub layout (per-expert `mlp.experts.{E}.{gate,up,down}_proj.weight`, what
 transformers saves and the Qwen hub ships) and transformers' fused in-memory layout
@@ -20,12 +24,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..layers.linear import Shard
+
 # part: None = the whole parameter; "expert" = param[E]; "gate"/"up" = the first/second half
 #       of the rows of param[E] (gate_up_proj [E, 2I, H], gate rows first, as transformers fuses).
 # layers: "all" | "sparse" | "dense" | "untied" (lm_head only without tied embeddings).
 # (hf name, tonp parameter, part, tp shard dim of the HF tensor, ep (param dim 0 = experts), layers)
 TABLE: List[Tuple[str, str, Optional[str], Optional[int], bool, str]] = [
-    ("model.embed_tokens.weight", "embed_tokens.weight", None, None, False, "all"),
+    ("model.embed_tokens.weight", "embed_tokens.weight", None, 0, False, "all"),
     ("model.layers.{L}.input_layernorm.weight", "layers.{L}.input_layernorm.weight",
      None, None, False, "all"),
     ("model.layers.{L}.self_attn.q_proj.weight", "layers.{L}.self_attn.q_proj.weight",
@@ -56,7 +62,7 @@ TABLE: List[Tuple[str, str, Optional[str], Optional[int], bool, str]] = [
     ("model.layers.{L}.mlp.down_proj.weight", "layers.{L}.mlp.down_proj.weight",
      None, 1, False, "dense"),
     ("model.norm.weight", "norm.weight", None, None, False, "all"),
-    ("lm_head.weight", "lm_head.weight", None, None, False, "untied"),
+    ("lm_head.weight", "lm_head.weight", None, 0, False, "untied"),
 ]
 # transformers' fused expert tensors: the whole 3-D parameter under one name.
 FUSED = {"model.layers.{L}.mlp.experts.gate_up_proj": "layers.{L}.mlp.gate_up_proj",
@@ -71,19 +77,21 @@ class Slot:
 
     hf: HF name; param: tonp parameter name; index: the region of the local parameter
     (a tuple for `param[index]`); tp_dim: the dim of the HF tensor a TP rank narrows (None =
-    replicated); shape: the full HF tensor's shape."""
+    replicated); shape: the full HF tensor's shape; shard: the slice of the HF tensor this
+    rank holds (None = all of it)."""
     hf: str
     param: str
     index: tuple
     tp_dim: Optional[int]
     shape: Tuple[int, ...]
+    shard: Optional[Shard] = None
 
 
 def hub_slots(model, fused_layers=()) -> List[Slot]:
     """Every HF tensor of `model`'s config in the hub layout (layers in `fused_layers` in the
     fused-expert layout), restricted to the experts this rank owns."""
     c, params = model.config, dict(model.named_parameters())
-    tp_size = _size(model, "tp_group")
+    shards = model.parameter_shards()
     slots = []
     for hf, ours, part, tp_dim, ep, where in TABLE:
         if where == "untied" and c.tie_word_embeddings:
@@ -97,10 +105,9 @@ def hub_slots(model, fused_layers=()) -> List[Slot]:
             if ep and L in fused_layers:
                 continue
             if not ep:
-                shape = list(p.shape)
-                if tp_dim is not None:
-                    shape[tp_dim] *= tp_size
-                slots.append(Slot(hf.format(L=L), name, (), tp_dim, tuple(shape)))
+                shard = shards.get(name)
+                shape = shard.full_shape(p.shape) if shard else tuple(p.shape)
+                slots.append(Slot(hf.format(L=L), name, (), tp_dim, tuple(shape), shard))
                 continue
             moe = _module(model, name)
             I = moe.intermediate
@@ -122,22 +129,6 @@ def hub_slots(model, fused_layers=()) -> List[Slot]:
 
 def _module(model, param_name):
     return model.get_submodule(param_name.rsplit(".", 1)[0])
-
-
-def _size(model, group_name) -> int:
-    g = None if model.groups is None else getattr(model.groups, group_name, None)
-    if g is None:
-        return 1
-    import torch.distributed as dist
-    return dist.get_world_size(g)
-
-
-def _rank(model, group_name) -> int:
-    g = None if model.groups is None else getattr(model.groups, group_name, None)
-    if g is None:
-        return 0
-    import torch.distributed as dist
-    return dist.get_rank(g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,10 +167,13 @@ def load_checkpoint(model, path) -> None:
     fused_names = {hf.format(L=L) for L in fused for hf in FUSED}
     slots = hub_slots(model, fused_layers=fused)
     params = dict(model.named_parameters())
-    tp_size, tp_rank = _size(model, "tp_group"), _rank(model, "tp_group")
     expected = {s.hf for s in slots}
     ignored = {k for k in files if k.endswith(_IGNORED_SUFFIXES)
                or (c.tie_word_embeddings and k == "lm_head.weight")}
+    # Under expert parallelism the other ranks' experts are in the files too: skip, not error.
+    ignored |= {hf.format(L=L, E=e) for hf, _, _, _, ep, _ in TABLE if ep
+                for L in range(c.num_hidden_layers) if c.is_sparse_layer(L)
+                for e in range(c.num_experts)}
     missing = sorted(expected - set(files))
     unexpected = sorted(set(files) - expected - ignored)
     misshaped, handles = [], {}
@@ -198,10 +192,9 @@ def load_checkpoint(model, path) -> None:
             if s.hf in fused_names:
                 t, dst = sl[s.index], params[s.param]
             else:
-                if s.tp_dim is not None and tp_size > 1:
-                    n = shape[s.tp_dim] // tp_size
+                if s.shard is not None:  # read only this rank's slice from the file
                     idx = [slice(None)] * len(shape)
-                    idx[s.tp_dim] = slice(tp_rank * n, (tp_rank + 1) * n)
+                    idx[s.shard.dim] = slice(s.shard.start, s.shard.start + s.shard.length)
                     t = sl[tuple(idx)]
                 else:
                     t = sl[:]
@@ -225,11 +218,16 @@ def load_checkpoint(model, path) -> None:
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def state_dict_hub(model) -> Dict[str, torch.Tensor]:
-    """The model's weights under HF hub names (contiguous CPU tensors in the model's dtype)."""
-    if _size(model, "tp_group") > 1 or _size(model, "ep_group") > 1:
-        # TODO(parallel issue): gather TP shards / EP expert ranges to rank 0 before saving.
-        raise NotImplementedError("save_pretrained: gathering TP/EP shards is not implemented")
-    params = dict(model.named_parameters())
+    """The model's weights under HF hub names (contiguous CPU tensors in the model's dtype).
+
+    A sharded model gathers its shards first (collective over its TP and EP groups: every
+    rank must call it); the result is the whole model on every rank."""
+    if model.parameter_shards():
+        params = gather_full_parameters(model)
+        with torch.device("meta"):  # the unsharded layout: the hub slots of the full model
+            model = type(model)(model.config, dtype=model.dtype)
+    else:
+        params = dict(model.named_parameters())
     out = {}
     for s in hub_slots(model):
         t = params[s.param][s.index] if s.index else params[s.param]
@@ -237,12 +235,47 @@ def state_dict_hub(model) -> Dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def gather_full_parameters(model) -> Dict[str, torch.Tensor]:
+    """{name: the full (unsharded) parameter} from every rank's shard: an all_gather per sharded
+    parameter over its TP or EP group (bytes only: exact in every dtype). Collective."""
+    from tonp_parallel import all_gather_stacked
+    shards, out = model.parameter_shards(), {}
+    for name, p in model.named_parameters():
+        s = shards.get(name)
+        if s is None:
+            out[name] = p.detach()
+            continue
+        group = getattr(model.groups, "tp_group" if s.group == "tp" else "ep_group")
+        local = p.detach().contiguous()
+        # bf16 -> fp32 -> bf16 is exact, and every backend gathers fp32.
+        parts = all_gather_stacked(local.float(), group).to(local.dtype)         # (W, ...)
+        starts = all_gather_stacked(torch.tensor([s.start]), group)[:, 0].tolist()
+        full = local.new_empty(s.full_shape(local.shape))
+        for start, part in zip(starts, parts):   # KV-head copies write the same slice twice
+            full.narrow(s.dim, start, s.length).copy_(part)
+        out[name] = full
+    return out
+
+
 def save_checkpoint(model, path, max_shard_size: int = 5 * 2**30) -> None:
-    """Write config.json and the hub-layout safetensors (sharded + index above max_shard_size)."""
+    """Write config.json and the hub-layout safetensors (sharded + index above max_shard_size).
+    A sharded model: every rank calls it, the shards are gathered, global rank 0 writes."""
     from safetensors.torch import save_file
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     tensors = state_dict_hub(model)
+    if model.parameter_shards():
+        import torch.distributed as dist
+        rank = dist.get_rank()
+        if rank == 0:
+            _write(model, path, tensors, max_shard_size, save_file)
+        dist.barrier()  # nobody reads the checkpoint before rank 0 has written it
+        return
+    _write(model, path, tensors, max_shard_size, save_file)
+
+
+def _write(model, path, tensors, max_shard_size, save_file) -> None:
+    os.makedirs(path, exist_ok=True)
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
