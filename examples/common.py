@@ -65,6 +65,21 @@ def load_tokenizer(checkpoint_dir: Optional[str], config):
     return ByteTokenizer(bos, eos)
 
 
+def parse_overrides(items: Sequence[str]) -> Dict[str, object]:
+    """["num_hidden_layers=1", "rope_theta=1e4"] -> {"num_hidden_layers": 1, "rope_theta": 1e4}
+    (values parsed as JSON when they are JSON, else kept as strings)."""
+    out: Dict[str, object] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 # -- token data -----------------------------------------------------------------------------------
 TOKEN_FILE_DTYPES = {".u16": np.uint16, ".uint16": np.uint16, ".u32": np.uint32,
                      ".uint32": np.uint32}
@@ -171,16 +186,24 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, path: str) -> None:
 # -- metrics --------------------------------------------------------------------------------------
 class MetricLogger:
     """One JSON object per line in `<out>/metrics.jsonl`, a short line on stdout (through tqdm
-    when a bar is active), TensorBoard scalars when tensorboard is installed. Only rank 0 writes."""
+    when a bar is active), TensorBoard scalars when tensorboard is installed. Only rank 0 writes.
+
+    resume_step: continue an existing file, dropping rows logged after that step (the steps an
+    interrupted run did after its last checkpoint are redone, so they are logged again)."""
 
     def __init__(self, out_dir: str, enabled: bool = True, tensorboard: bool = True,
-                 resume: bool = False):
+                 resume_step: Optional[int] = None):
         self.enabled, self.path = enabled, os.path.join(out_dir, "metrics.jsonl")
         self.tb = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.f = open(self.path, "a" if resume else "w")
+        kept = []
+        if resume_step is not None and os.path.exists(self.path):
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+        self.f = open(self.path, "w")
+        for r in kept:
+            self.f.write(json.dumps(r) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

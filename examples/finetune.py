@@ -155,7 +155,7 @@ def _train(args, groups, expert_dp) -> Dict:
     if state:
         sampler.load_state_dict(state["data"])
 
-    log = MetricLogger(args.out, enabled=is_main, resume=bool(args.resume))
+    log = MetricLogger(args.out, enabled=is_main, resume_step=start if state else None)
     losses: Dict[int, float] = {}
     evals: Dict[int, float] = {}
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="finetune",

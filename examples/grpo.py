@@ -19,12 +19,17 @@ invariant kernel mode logp_train equals logp_rollout bit for bit: the logged log
 ratio exactly 1. With `--mode torch` (stock torch ops) they are not: that gap is what tonp removes.
 
 Task (byte tokenizer; prompt = bos + digits + ">" ; response = answer + eos):
-  copy:    "4071>" -> "4071"      reverse: "4071>" -> "1704"      add: "3+5>" -> "8"
+  copy:    "407>" -> "407"        reverse: "407>" -> "704"        add: "3+5>" -> "8"
 Reward = characters in the right place / max(len(answer), len(response)), so partial credit is
 dense and a response of the wrong length loses. Warm start: --sft-steps supervised steps on the
-task (teacher-forced answers, default 30) give the randomly initialised tiny model the response
+task (teacher-forced answers, default 35) give the randomly initialised tiny model the response
 format and a low starting reward; every step after that is RL only (logged with phase="rl").
 Use --sft-steps 0 with --init <a pretrained HF dir> to start from a checkpoint instead.
+
+Measured on the shared 2-core CPU machine (defaults, --threads 1): the mean reward over 5 steps
+goes from 0.30 to 0.74 (fully solved 0.07 -> 0.46) within 50 RL steps, about 3.5 minutes;
+logdiff is 0.0 and every ratio 1.0 in invariant mode, ~1e-6 (ratios 1 +- 2e-6) with --mode torch.
+On a busy machine --threads 1 is much faster than oversubscribed threads.
 """
 from __future__ import annotations
 
@@ -40,10 +45,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tonp_kernels as tk  # noqa: E402
+import tonp_parallel as tpar  # noqa: E402
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
 
 from checkpointing import CheckpointManager, rng_state  # noqa: E402
-from common import DTYPES, ByteTokenizer, MetricLogger, plot_curves, response_loss  # noqa: E402
+from common import (DTYPES, ByteTokenizer, MetricLogger, parse_overrides, plot_curves,  # noqa: E402
+                    response_loss)
 from trainer import (GradSync, MasterWeights, build_model, build_optimizer,  # noqa: E402
                      setup_parallel)
 
@@ -112,8 +119,12 @@ def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Di
     rewards = torch.tensor([reward(c, a, tok) for c, a in zip(out.completions, answers)])
     adv = group_advantages(rewards.view(args.prompts, args.group_size)).reshape(-1)
     starts = out.prompt_lengths
-    row: Dict = {"reward": float(rewards.mean()),
-                 "solved": float((rewards == 1).float().mean()),
+    # reward / solved over every DP rank's rollouts (fixed-order sum: the same on every rank)
+    tot = torch.stack([rewards.sum(), (rewards == 1).float().sum(), torch.tensor(len(rewards),
+                                                                                dtype=torch.float32)])
+    if groups.dp_size > 1:
+        tot = tpar.tree_all_reduce(tot.float(), groups.dp_group)
+    row: Dict = {"reward": float(tot[0] / tot[2]), "solved": float(tot[1] / tot[2]),
                  "response_len": float(sum(out.num_new_tokens) / len(prompts)),
                  "rollout_tokens_per_s": out.stats.tokens_per_s}
     t1 = time.perf_counter()
@@ -126,9 +137,12 @@ def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Di
         if inner == 0:
             diff = torch.cat([(a.detach() - b).abs() for a, b in zip(lp_train, out.logprobs)])
             ratio = torch.exp(torch.cat([a.detach() - b for a, b in zip(lp_train, out.logprobs)]))
-            row.update(logdiff=float(diff.max()), ratio_min=float(ratio.min()),
-                       ratio_max=float(ratio.max()), ratio_mean=float(ratio.mean()),
-                       ratio_is_one=bool(torch.equal(ratio, torch.ones_like(ratio))))
+            worst = torch.stack([diff.max(), -ratio.min(), ratio.max()])
+            if groups.dp_size > 1:         # the worst over every DP rank's rollouts
+                worst = tpar.all_gather_stacked(worst, groups.dp_group).max(0).values
+            row.update(logdiff=float(worst[0]), ratio_min=float(-worst[1]),
+                       ratio_max=float(worst[2]), ratio_mean=float(ratio.mean()),
+                       ratio_is_one=bool(worst[1] == -1.0 and worst[2] == 1.0))
         loss = ppo_clip_loss(lp_train, out.logprobs, adv, args.clip_eps)
         loss.backward()
         master.grads_to_master()
@@ -173,16 +187,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--digits", type=int, default=3, help="max digits of copy/reverse strings")
     ap.add_argument("--init", help="an HF checkpoint dir to start from (default: fresh tiny)")
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a preset config field, e.g. --set num_hidden_layers=2")
     ap.add_argument("--out", default="out/grpo")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps")
-    ap.add_argument("--sft-steps", type=int, default=30, help="supervised warm-start steps")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps")
+    ap.add_argument("--sft-steps", type=int, default=35, help="supervised warm-start steps")
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (per DP rank)")
     ap.add_argument("--group-size", type=int, default=8, help="G responses per prompt")
     ap.add_argument("--inner-steps", type=int, default=2, help="PPO updates per rollout batch")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--clip-eps", type=float, default=0.2)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="RL learning rate (fresh AdamW)")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--rollout-batch", type=int, default=None, help="generate's max_batch_size")
@@ -216,7 +232,8 @@ def _run(args, groups, expert_dp) -> Dict:
         model = Qwen3MoeForCausalLM.from_pretrained(
             args.init, dtype=dtype, groups=groups if groups.world_size > 1 else None)
     else:
-        model = build_model(Qwen3MoeConfig.preset(args.preset), dtype, groups, args.seed)
+        config = Qwen3MoeConfig.preset(args.preset, **parse_overrides(args.set))
+        model = build_model(config, dtype, groups, args.seed)
     c = model.config
     tok = ByteTokenizer(bos_id=c.bos_token_id if c.bos_token_id is not None else 256,
                         eos_id=c.eos_token_id if isinstance(c.eos_token_id, int) else 257)

@@ -41,7 +41,7 @@ from tonp_models import Qwen3MoeConfig  # noqa: E402
 
 import make_corpus  # noqa: E402
 from common import (DTYPES, ByteTokenizer, MetricLogger, WindowSampler,  # noqa: E402
-                    check_vocab, load_tokens, plot_curves, window_rows)
+                    check_vocab, load_tokens, parse_overrides, plot_curves, window_rows)
 from trainer import Trainer, build_model, setup_parallel  # noqa: E402
 
 
@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="Qwen3MoeConfig preset (default tiny)")
     ap.add_argument("--config", help="an HF config.json (or checkpoint dir) instead of --preset")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set num_hidden_layers=2 (repeatable)")
     ap.add_argument("--data", default=make_corpus.CORPUS, help="text file or uint16/32 token file")
     ap.add_argument("--token-dtype", choices=["uint16", "uint32"], help="dtype of a token file")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail for eval")
@@ -83,9 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_config(args) -> Qwen3MoeConfig:
+    overrides = parse_overrides(args.set)
     if args.config:
-        return Qwen3MoeConfig.from_hf(args.config)
-    return Qwen3MoeConfig.preset(args.preset)
+        return Qwen3MoeConfig.from_hf(args.config, **overrides)
+    return Qwen3MoeConfig.preset(args.preset, **overrides)
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -164,7 +167,7 @@ def _train(args, groups, expert_dp) -> Dict:
     def save(step: int) -> str:
         return trainer.save(step, extra={"data": sampler.state_dict()})
 
-    log = MetricLogger(args.out, enabled=is_main, resume=bool(args.resume))
+    log = MetricLogger(args.out, enabled=is_main, resume_step=start if state else None)
     losses: Dict[int, float] = {}
     evals: Dict[int, float] = {}
     end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)

@@ -172,6 +172,8 @@ def setup_parallel(tp: int, ep: int):
 def build_model(config, dtype: torch.dtype, groups, seed: int) -> Qwen3MoeForCausalLM:
     """The model, initialised from `seed` (the same weights on every rank for the same shard).
     A NotImplementedError from the model (TP/EP not wired yet) is re-raised with the flags."""
+    if groups.world_size > 1:
+        tpar.validate_model_layout(config, tp=groups.tp_size, ep=groups.ep_size)
     torch.manual_seed(seed)
     try:
         return Qwen3MoeForCausalLM(config, dtype=dtype,
