@@ -4,6 +4,7 @@
         --max-new-tokens 32 --temperature 1.0 --out out/rollouts.jsonl
     python examples/rollout.py --hf path/to/Qwen3-30B-A3B --prompts-file prompts.jsonl --dtype bf16
     python examples/rollout.py --preset tiny --token-ids 1,2,3 --token-ids 7,8
+    torchrun --nproc-per-node 4 examples/rollout.py --tp 2 --ep 2 --preset tiny --token-ids 1,2,3
 
 Prompts: --prompt TEXT (repeatable), --token-ids I,J,K (repeatable), or --prompts-file (JSONL
 lines with "prompt" (text) or "token_ids", or plain text, one prompt a line). Text is tokenized by
@@ -12,7 +13,8 @@ bos_token_id goes first unless --no-bos.
 Each output line: {"index", "prompt_ids", "completion_ids", "logprobs", "finish_reason"} plus
 "completion" (decoded text) when a tokenizer was used. The logprobs are what
 `model.token_logprobs(prompt_ids + completion_ids, temperature=T)` gives, bit for bit, in the
-invariant kernel mode.
+invariant kernel mode, at any --tp / --ep (under torchrun every rank rolls out every prompt in
+lockstep, as TP and EP need; global rank 0 writes the output).
 """
 from __future__ import annotations
 
@@ -64,15 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_model(args) -> Qwen3MoeForCausalLM:
-    if args.tp != 1 or args.ep != 1:
-        # TODO(parallel issue): build ParallelGroups via tonp_parallel.init_parallel under torchrun.
-        raise NotImplementedError(f"rollout.py: --tp {args.tp} --ep {args.ep}: tensor/expert-"
-                                  f"parallel rollout is not wired into this CLI yet; use 1 and 1")
+    """The model, sharded by --tp / --ep under torchrun (tonp_parallel.init_parallel)."""
+    import tonp_parallel as tpar
+    groups = tpar.init_parallel(tp=args.tp, ep=args.ep)
+    args.rank = groups.rank
+    groups = groups if groups.world_size > 1 else None
     dtype = DTYPES[args.dtype]
     if args.hf:
-        return Qwen3MoeForCausalLM.from_pretrained(args.hf, dtype=dtype).eval()
-    torch.manual_seed(args.weights_seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig.preset(args.preset), dtype=dtype).eval()
+        return Qwen3MoeForCausalLM.from_pretrained(args.hf, dtype=dtype, groups=groups).eval()
+    torch.manual_seed(args.weights_seed)  # every rank draws the full weights and keeps its shard
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig.preset(args.preset), dtype=dtype,
+                               groups=groups).eval()
 
 
 def read_prompts(args, tokenizer) -> List[List[int]]:
@@ -120,6 +124,8 @@ def main(argv=None) -> int:
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, max_batch_size=args.max_batch_size,
                        num_pages=args.num_pages, progress=args.progress)
+    if args.rank != 0:
+        return 0
     dest = sys.stdout if args.out == "-" else None
     if dest is None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
