@@ -10,6 +10,9 @@ using tonp::AttnQuery;
 using tonp::Elem;
 using tonp::kPanel;
 
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
+
 static inline float load1(const void* p, int64_t i, Elem e) {
   return e == Elem::F32 ? static_cast<const float*>(p)[i]
                         : bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
@@ -36,8 +39,8 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 // ---------------------------------------------------------------------------------------------
-template <int MR, int NR>
-static inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, float* part) {
+template <int MR, int NR, typename T>
+static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, float* part) {
   V8 acc[MR * NR];
   for (int i = 0; i < MR * NR; ++i) acc[i] = vzero();
   const int64_t k8 = kc / 8 * 8;
@@ -54,7 +57,7 @@ static inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t
       for (int n = 0; n < NR; ++n) {
         float lanes[8];
         vstore(lanes, acc[r * NR + n]);
-        for (int64_t k = k8; k < kc; ++k) lanes[k - k8] = std::fma(x[r * ldx + k], w[n * ldw + k], lanes[k - k8]);
+        for (int64_t k = k8; k < kc; ++k) lanes[k - k8] = std::fma(x[r * ldx + k], to_f32(w[n * ldw + k]), lanes[k - k8]);
         acc[r * NR + n] = vload(lanes);
       }
   }
@@ -69,49 +72,45 @@ static inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t
     for (int n = 0; n < NR; ++n) part[r * kPanel + n] = sums[r * NR + n];
 }
 
-template <int MR>
-static inline void dot_tile_cols(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, int ncols,
+template <int MR, typename T>
+static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int ncols,
                                  float* part) {
   int n = 0;
-  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4>(x, ldx, w + n * ldw, ldw, kc, part + n);
+  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4, T>(x, ldx, w + n * ldw, ldw, kc, part + n);
   switch (ncols - n) {
-    case 3: dot_tile<MR, 3>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
-    case 2: dot_tile<MR, 2>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
-    case 1: dot_tile<MR, 1>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 3: dot_tile<MR, 3, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 2: dot_tile<MR, 2, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 1: dot_tile<MR, 1, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
     default: break;
+  }
+}
+
+// bf16 weights are widened to fp32 as they are loaded (exact), so they cost half the bytes.
+template <typename T>
+static void linear_chunks(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
+                          int chunks, int ncols, float* part) {
+  const int64_t plane = rows * kPanel;
+  for (int c = 0; c < chunks; ++c) {
+    const T* w = W + c * kc;
+    const float* xc = x + c * kc;
+    float* pc = part + c * plane;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) dot_tile_cols<3, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 2) dot_tile_cols<2, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 1) dot_tile_cols<1, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
   }
 }
 
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
-  float* wbuf = scratch;                   // [16, kc]: a bf16 chunk of the panel as fp32 (exact)
-  float* part = scratch + kc * kPanel;     // [chunks, rows, 16] chunk partials
+  float* part = scratch;  // [chunks, rows, 16] chunk partials
   const int64_t plane = rows * kPanel;
   if (ncols < kPanel) std::memset(part, 0, sizeof(float) * chunks * plane);  // unused columns stay 0
-  for (int c = 0; c < chunks; ++c) {
-    const float* w;
-    int64_t lw;
-    if (welem == Elem::F32) {
-      w = static_cast<const float*>(W) + c * kc;
-      lw = ldw;
-    } else {
-      const uint16_t* src = static_cast<const uint16_t*>(W) + c * kc;
-      for (int j = 0; j < ncols; ++j) {
-        int64_t k = 0;
-        for (; k + 8 <= kc; k += 8) vstore(wbuf + j * kc + k, vload(src + j * ldw + k));
-        for (; k < kc; ++k) wbuf[j * kc + k] = bf16_to_f32(src[j * ldw + k]);
-      }
-      w = wbuf;
-      lw = kc;
-    }
-    const float* xc = x + c * kc;
-    float* pc = part + c * plane;
-    int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) dot_tile_cols<3>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 2) dot_tile_cols<2>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 1) dot_tile_cols<1>(xc + r * ldx, ldx, w, lw, kc, ncols, pc + r * kPanel);
-  }
+  if (welem == Elem::F32)
+    linear_chunks(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, part);
+  else
+    linear_chunks(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, part);
   // The chunk tree: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise.
   for (int step = 1; step < chunks; step *= 2)
     for (int c = 0; c + step < chunks; c += 2 * step) {

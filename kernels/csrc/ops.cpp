@@ -72,8 +72,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     return out;
   }
   const at::Tensor x = x_.to(at::kFloat).contiguous();
-  // No packed copy is cached: each task transposes its panel's chunks into L1 scratch as it goes,
-  // so a weight rewritten in any way (optimizer step, .data copy, inference tensor) is seen.
+  // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
+  // (optimizer step, .data copy, inference tensor) is always seen.
   const at::Tensor wc = w.contiguous();
   const int64_t kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + kRowBlock - 1) / kRowBlock;
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2;
@@ -83,7 +83,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
   at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kc * kPanel + chunks * kRowBlock * kPanel);
+    std::vector<float> scratch(chunks * kRowBlock * kPanel);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
       const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
