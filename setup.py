@@ -7,7 +7,7 @@ extension registered under `torch.ops.tonp`. Build without isolation: `pip insta
 """
 import glob
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # -ffp-contract=off: the compiler must never fuse a*b+c on its own (it would do so in one path and
@@ -20,8 +20,8 @@ setup(
     version="0.1.0",
     description="True-on-policy Qwen3-MoE: one model for training and rollout, bitwise-equal logprobs",
     python_requires=">=3.10",
-    packages=["tonp_kernels", "tonp_models", "tonp_models.layers", "tonp_models.qwen3_moe",
-              "tonp_parallel"],
+    packages=["tonp_kernels"] + find_packages(include=["tonp_models", "tonp_models.*",
+                                                       "tonp_parallel", "tonp_parallel.*"]),
     package_dir={"tonp_kernels": "kernels"},
     ext_modules=[
         CppExtension(
