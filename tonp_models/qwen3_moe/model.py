@@ -280,7 +280,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             h = self.forward(torch.cat(seqs), cu, logits_rows=rows, return_hidden=True)
             # The LM head scores its vocab shard and finishes the vocab tree across TP ranks.
             lp = self.lm_head.token_logprobs(h, targets, temperature=temperature)  # (R,)
-            return list(lp.split([n - 1 for n in lens]))
         else:
             L = max(lens)
             ids = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -290,7 +289,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             pred = mask.clone()
             pred[torch.arange(len(seqs)), torch.tensor(lens) - 1] = False
             logits = self.forward(ids, attention_mask=mask)[pred]                  # (R, V)
-        lp = tk.token_logprobs(logits, targets, temperature=temperature)
+            lp = tk.token_logprobs(logits, targets, temperature=temperature)
         return list(lp.split([n - 1 for n in lens]))
 
     # -- checkpoints ------------------------------------------------------------------------------
