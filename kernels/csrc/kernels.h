@@ -10,7 +10,8 @@
 namespace tonp {
 
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
-constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 6-row micro tile)
+constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 3-row micro tile)
+constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -30,7 +31,7 @@ struct Kernels {
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
-  // chunk partials are combined by the pairwise tree. scratch: chunks*rows*16 floats.
+  // chunk partials are combined by the pairwise tree. scratch: rows*16 floats.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch);

@@ -40,87 +40,84 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 // ---------------------------------------------------------------------------------------------
 template <int MR, int NR, typename T>
-static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, float* part) {
-  V8 acc[MR * NR];
-  for (int i = 0; i < MR * NR; ++i) acc[i] = vzero();
+static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
+                            float* out /* [MR, ldo_part] */, int64_t ldo) {
+  constexpr int NT = MR * NR;
+  constexpr int NT8 = (NT + 7) / 8 * 8;
+  float part[tonp::kMaxChunks][NT8];  // per-chunk partials of the tile's outputs
   const int64_t k8 = kc / 8 * 8;
-  for (int64_t k = 0; k < k8; k += 8) {
-    V8 xv[MR];
-    for (int r = 0; r < MR; ++r) xv[r] = vload(x + r * ldx + k);
-    for (int n = 0; n < NR; ++n) {
-      const V8 wv = vload(w + n * ldw + k);
-      for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
+  for (int c = 0; c < chunks; ++c) {
+    const float* xc = x + c * kc;
+    const T* wc = w + c * kc;
+    V8 acc[NT];
+    for (int i = 0; i < NT; ++i) acc[i] = vzero();
+    for (int64_t k = 0; k < k8; k += 8) {
+      V8 xv[MR];
+      for (int r = 0; r < MR; ++r) xv[r] = vload(xc + r * ldx + k);
+      for (int n = 0; n < NR; ++n) {
+        const V8 wv = vload(wc + n * ldw + k);
+        for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
+      }
+    }
+    if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
+      for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < NR; ++n) {
+          float lanes[8];
+          vstore(lanes, acc[r * NR + n]);
+          for (int64_t k = k8; k < kc; ++k)
+            lanes[k - k8] = std::fma(xc[r * ldx + k], to_f32(wc[n * ldw + k]), lanes[k - k8]);
+          acc[r * NR + n] = vload(lanes);
+        }
+    }
+    // hsum8 gives each accumulator the same tree as hsum; eight at a time.
+    for (int i = 0; i < NT; i += 8) {
+      V8 g[8];
+      for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
+      vstore(part[c] + i, hsum8(g));
     }
   }
-  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
-    for (int r = 0; r < MR; ++r)
-      for (int n = 0; n < NR; ++n) {
-        float lanes[8];
-        vstore(lanes, acc[r * NR + n]);
-        for (int64_t k = k8; k < kc; ++k) lanes[k - k8] = std::fma(x[r * ldx + k], to_f32(w[n * ldw + k]), lanes[k - k8]);
-        acc[r * NR + n] = vload(lanes);
-      }
-  }
-  // hsum8 gives each accumulator the same tree as hsum; eight at a time.
-  float sums[((MR * NR + 7) / 8) * 8];
-  for (int i = 0; i < MR * NR; i += 8) {
-    V8 g[8];
-    for (int j = 0; j < 8; ++j) g[j] = i + j < MR * NR ? acc[i + j] : vzero();
-    vstore(sums + i, hsum8(g));
-  }
+  // The chunk tree: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise.
+  for (int step = 1; step < chunks; step *= 2)
+    for (int c = 0; c + step < chunks; c += 2 * step)
+      for (int i = 0; i < NT8; i += 8) vstore(part[c] + i, vadd(vload(part[c] + i), vload(part[c + step] + i)));
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) part[r * kPanel + n] = sums[r * NR + n];
+    for (int n = 0; n < NR; ++n) out[r * ldo + n] = part[0][r * NR + n];
 }
 
 template <int MR, typename T>
-static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int ncols,
-                                 float* part) {
+static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
+                                 int ncols, float* out, int64_t ldo) {
   int n = 0;
-  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4, T>(x, ldx, w + n * ldw, ldw, kc, part + n);
+  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo);
   switch (ncols - n) {
-    case 3: dot_tile<MR, 3, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
-    case 2: dot_tile<MR, 2, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
-    case 1: dot_tile<MR, 1, T>(x, ldx, w + n * ldw, ldw, kc, part + n); break;
+    case 3: dot_tile<MR, 3, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
+    case 2: dot_tile<MR, 2, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
+    case 1: dot_tile<MR, 1, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
     default: break;
   }
 }
 
 // bf16 weights are widened to fp32 as they are loaded (exact), so they cost half the bytes.
 template <typename T>
-static void linear_chunks(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
-                          int chunks, int ncols, float* part) {
-  const int64_t plane = rows * kPanel;
-  for (int c = 0; c < chunks; ++c) {
-    const T* w = W + c * kc;
-    const float* xc = x + c * kc;
-    float* pc = part + c * plane;
-    int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) dot_tile_cols<3, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 2) dot_tile_cols<2, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 1) dot_tile_cols<1, T>(xc + r * ldx, ldx, w, ldw, kc, ncols, pc + r * kPanel);
-  }
+static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
+                        int chunks, int ncols, float* res) {
+  int64_t r = 0;
+  for (; r + 3 <= rows; r += 3) dot_tile_cols<3, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
+  if (rows - r == 2) dot_tile_cols<2, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
+  if (rows - r == 1) dot_tile_cols<1, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
 }
 
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
-  float* part = scratch;  // [chunks, rows, 16] chunk partials
-  const int64_t plane = rows * kPanel;
-  if (ncols < kPanel) std::memset(part, 0, sizeof(float) * chunks * plane);  // unused columns stay 0
+  float* res = scratch;  // [rows, 16] finished sums
   if (welem == Elem::F32)
-    linear_chunks(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, part);
+    linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
   else
-    linear_chunks(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, part);
-  // The chunk tree: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise.
-  for (int step = 1; step < chunks; step *= 2)
-    for (int c = 0; c + step < chunks; c += 2 * step) {
-      float* a = part + c * plane;
-      const float* b = part + (c + step) * plane;
-      for (int64_t i = 0; i < plane; i += 8) vstore(a + i, vadd(vload(a + i), vload(b + i)));
-    }
+    linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {
-      float v = part[r * kPanel + j];
+      float v = res[r * kPanel + j];
       if (bias) v = v + bias[j];
       store1(out, r * ldo + j, v, oelem);
     }

@@ -58,6 +58,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const Elem oelem = elem_of(at::empty({0}, x_.options().dtype(odt)), "linear", "out_dtype");
   const int64_t M = x_.size(0), Kd = x_.size(1), N = w.size(0);
   check_chunks(Kd, chunks, "linear");
+  TORCH_CHECK(chunks <= kMaxChunks, "tonp.linear: at most ", kMaxChunks, " reduction chunks, got ", chunks);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "tonp.linear: bias must be [", N, "], got ", bias->sizes());
@@ -83,7 +84,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
   at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(chunks * kRowBlock * kPanel);
+    std::vector<float> scratch(kRowBlock * kPanel);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
       const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
