@@ -106,12 +106,17 @@ def ppo_clip_loss(lp_train: List[torch.Tensor], lp_old: List[torch.Tensor],
 
 def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Dict:
     """Rollouts, rewards, advantages and `args.inner_steps` PPO-clip updates; returns the metrics."""
-    rng = random.Random(args.seed * 1_000_003 + step * 1009 + groups.dp_rank)
+    # Ranks that take part in each other's forwards (a TP or EP group) must roll out the same
+    # prompts: identical bits then give identical rollouts and the same number of decode steps,
+    # so their collectives stay in lockstep. Other ranks draw their own prompts.
+    span = max(groups.tp_size, groups.ep_size)
+    replica, replicas = groups.rank // span, groups.world_size // span
+    rng = random.Random(args.seed * 1_000_003 + step * 1009 + replica)
     problems = [make_problem(args.task, rng, args.digits) for _ in range(args.prompts)]
     prompts = [encode_prompt(tok, q) for q, _ in problems for _ in range(args.group_size)]
     answers = [a for _, a in problems for _ in range(args.group_size)]
     max_new = max(len(a) for a in answers) + 2
-    base = (step * groups.dp_size + groups.dp_rank) * len(prompts)      # unique noise keys
+    base = (step * replicas + replica) * len(prompts)                   # unique noise keys
     t0 = time.perf_counter()
     out = generate(model, prompts, max_new, eos_token_id=tok.eos_id, temperature=args.temperature,
                    seed=args.seed, request_ids=range(base, base + len(prompts)),
