@@ -127,6 +127,20 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
 // Attention: one query position, one KV head, its G query heads. Keys in blocks aligned to
 // position 0; online softmax in fp32 over the blocks in order; one division at the end.
 // ---------------------------------------------------------------------------------------------
+template <int GG, typename T>
+static inline void pv_heads(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
+                            int D, int bpad, int g0) {
+  for (int d = 0; d < D; d += 8) {
+    V8 acc[GG];
+    for (int gg = 0; gg < GG; ++gg) acc[gg] = vmul(vload(o + int64_t(g0 + gg) * D + d), vset1(alpha[g0 + gg]));
+    for (int j = 0; j < n; ++j) {
+      const V8 v = vload(vb + j * pos_stride + d);
+      for (int gg = 0; gg < GG; ++gg) acc[gg] = vfma(vset1(sc[int64_t(g0 + gg) * bpad + j]), v, acc[gg]);
+    }
+    for (int gg = 0; gg < GG; ++gg) vstore(o + int64_t(g0 + gg) * D + d, acc[gg]);
+  }
+}
+
 template <typename T>
 static void attention_t(const AttnQuery& a, int G, int D, int block, float scale, float* scratch) {
   const int bpad = (block + 7) / 8 * 8;
@@ -134,6 +148,7 @@ static void attention_t(const AttnQuery& a, int G, int D, int block, float scale
   float* o = sc + int64_t(G) * bpad;    // [G, D] running outputs
   float* m = o + int64_t(G) * D;        // [G] running max
   float* l = m + G;                     // [G] running sum
+  float* alpha = l + G;                 // [G] rescale of the running output for this block
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.f;
@@ -148,34 +163,35 @@ static void attention_t(const AttnQuery& a, int G, int D, int block, float scale
     for (int g = 0; g < G; ++g) {
       const float* q = a.q + int64_t(g) * D;
       float* s = sc + int64_t(g) * bpad;
-      // Scores: per key an 8-lane FMA chain over d, then the fixed hsum tree.
+      // Scores: per key an 8-lane FMA chain over d, then the fixed hsum tree. Eight keys at a
+      // time (independent chains); lanes past the block's valid keys read key 0 and are unused.
       for (int j0 = 0; j0 < n; j0 += 8) {
+        const T* kj[8];
+        for (int jj = 0; jj < 8; ++jj) kj[jj] = kb + (j0 + jj < n ? j0 + jj : 0) * a.pos_stride;
         V8 acc[8];
-        for (int jj = 0; jj < 8; ++jj) {
-          acc[jj] = vzero();
-          if (j0 + jj >= n) continue;
-          const T* kj = kb + (j0 + jj) * a.pos_stride;
-          for (int d = 0; d < D; d += 8) acc[jj] = vfma(vload(q + d), vload(kj + d), acc[jj]);
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
+        for (int d = 0; d < D; d += 8) {
+          const V8 qv = vload(q + d);
+          for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kj[jj] + d), acc[jj]);
         }
         vstore(s + j0, vmul(hsum8(acc), vset1(scale)));
       }
       float mb = s[0];
       for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
       const float m_new = mb > m[g] ? mb : m[g];
-      const float alpha = m[g] == -INFINITY ? 0.f : sexp(m[g] - m_new);
+      alpha[g] = m[g] == -INFINITY ? 0.f : sexp(m[g] - m_new);
       for (int j0 = 0; j0 < n; j0 += 8) vstore(s + j0, vexp(vsub(vload(s + j0), vset1(m_new))));
-      float lg = l[g] * alpha;
+      float lg = l[g] * alpha[g];
       for (int j = 0; j < n; ++j) lg = lg + s[j];
       l[g] = lg;
       m[g] = m_new;
-      // P.V: per output element a sequential FMA chain over the block's keys in order.
-      float* og = o + int64_t(g) * D;
-      for (int d = 0; d < D; d += 8) {
-        V8 acc = vmul(vload(og + d), vset1(alpha));
-        for (int j = 0; j < n; ++j) acc = vfma(vset1(s[j]), vload(vb + j * a.pos_stride + d), acc);
-        vstore(og + d, acc);
-      }
     }
+    // P.V: per output element (g, d) a sequential FMA chain over the block's keys in order,
+    // starting from the rescaled running output; the G heads run side by side.
+    int g = 0;
+    for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+    for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+    for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
   }
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; d += 8)

@@ -148,7 +148,7 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
-  return size_t(G * ((block + 7) / 8 * 8) + G * D + 2 * G);
+  return size_t(G * ((block + 7) / 8 * 8) + G * D + 3 * G);
 }
 
 at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& cu_,
