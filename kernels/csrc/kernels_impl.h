@@ -111,10 +111,26 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
   float* res = scratch;  // [rows, 16] finished sums
-  if (welem == Elem::F32)
+  if (welem == Elem::F32) {
     linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
-  else
+  } else if (rows < 8) {
+    // bf16 weights widened as they are loaded: half the bytes of fp32 for decode-sized calls.
     linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
+  } else {
+    // bf16 rows widened once per task into [ncols, K] fp32, then read like fp32 weights: cheaper
+    // when many rows reuse them. Only where the exact fp32 copy of a weight comes from differs
+    // from the branch above: the FMAs see the same values in the same order, so the choice can
+    // never change a bit (the row-invariance tests cross it).
+    float* wf = scratch + int64_t(tonp::kRowBlock) * kPanel;
+    const uint16_t* src = static_cast<const uint16_t*>(W);
+    const int64_t K = kc * chunks;
+    for (int j = 0; j < ncols; ++j) {
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) vstore(wf + j * K + k, vload(src + j * ldw + k));
+      for (; k < K; ++k) wf[j * K + k] = bf16_to_f32(src[j * ldw + k]);
+    }
+    linear_rows(x, ldx, rows, static_cast<const float*>(wf), K, kc, chunks, ncols, res);
+  }
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {
       float v = res[r * kPanel + j];

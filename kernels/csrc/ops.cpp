@@ -84,7 +84,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
   at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kRowBlock * kPanel);
+    std::vector<float> scratch(kRowBlock * kPanel + (welem == Elem::BF16 ? kPanel * Kd : 0));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
       const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
