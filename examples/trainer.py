@@ -117,6 +117,11 @@ class GradSync:
         self.kind = [sharded.get(n, "rep") for n in master.names]
         self.is_expert = [_expert_param(n) and groups.ep_size > 1 for n in master.names]
         self.expert_dp_group = expert_dp_group
+        # A shard held by `copies` TP ranks (KV heads when TP > KV heads) enters the TP sum once
+        # per copy: weight its square norm by 1 / copies so it counts once.
+        copies = {f"{mn}.{pn}" if mn else pn: getattr(mod, "copies", 1)
+                  for mn, mod in model.named_modules() for pn, _ in mod.named_parameters(recurse=False)}
+        self.norm_weight = [1.0 / copies.get(n, 1) for n in master.names]
 
     def average(self) -> None:
         g = self.groups
@@ -135,8 +140,8 @@ class GradSync:
         """Scale grads so the norm over the whole (sharded) model is <= max_norm; returns it."""
         sq = {"rep": torch.zeros((), dtype=torch.float32), "tp": torch.zeros(()),
               "ep": torch.zeros(())}
-        for m, kind in zip(self.master.params, self.kind):
-            sq[kind] = sq[kind] + m.grad.float().pow(2).sum()
+        for m, kind, w in zip(self.master.params, self.kind, self.norm_weight):
+            sq[kind] = sq[kind] + m.grad.float().pow(2).sum() * w
         g = self.groups
         total = sq["rep"]
         if g.tp_size > 1:
