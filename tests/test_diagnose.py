@@ -258,3 +258,55 @@ def test_tp2_layout_equals_tp1(model, tmp_path):
     out = run_distributed(_layouts_rank, 2, str(tmp_path / "ckpt"), timeout=240)[0]
     assert out["first"] is None and out["logdiff"] == 0.0 and out["mismatch"] is None, out
     assert out["ops"] > 60 and "layer 1 o_proj.reduce" in out["only_b"]
+
+
+def _ep_layouts_rank(ckpt):
+    """EP 2 (and TP 2 x EP 2) vs one process; then EP 2 with rank 1's experts on stock kernels."""
+    from tonp_models.layers.moe import SparseMoeBlock
+    seqs = random_seqs((6, 3, 5), 320, seed=2)
+    a = dg.run_layout(ckpt, seqs, dg.PathSpec.parse("train"))
+    out = {}
+    for name in ("decode,ep=2", "train,tp=2,ep=2"):
+        b = dg.run_layout(ckpt, seqs, dg.PathSpec.parse(name))
+        if a is not None:
+            diag = dg.compare_traces(a, b)
+            out[name] = dict(first=diag.first, logdiff=diag.logdiff, ops=len(diag.ops),
+                             mismatch=b.meta.get("rank_mismatch"),
+                             expert_rows=[t.gather(0, "expert.down")[0] for t in (a, b)])
+    local = SparseMoeBlock._run_local_experts
+
+    def stock_on_second_half(self, *args):  # experts 4..7 live on EP rank 1
+        if self.first_expert == 0:
+            return local(self, *args)
+        with tk.use("torch"):
+            return local(self, *args)
+
+    SparseMoeBlock._run_local_experts = stock_on_second_half
+    try:
+        b = dg.run_layout(ckpt, seqs, dg.PathSpec.parse("train,ep=2"))
+    finally:
+        SparseMoeBlock._run_local_experts = local
+    if a is not None:
+        out["perturbed"] = dg.compare_traces(a, b).first
+    return out if a is not None else None
+
+
+def test_ep2_layout_equals_single_process(tmp_path):
+    """Expert rows received from the other EP rank are named by the sender's dispatch record and
+    merged on rank 0: EP 2 decode and TP 2 x EP 2 equal one process op by op (expert rows
+    included); rank 1's experts on stock kernels -> "operator arithmetic" at layer 0
+    expert.gate_up, on rows of experts 4..7 only."""
+    from dist_utils import run_distributed
+    model = tiny_model("mlp_only", seed=3, num_hidden_layers=2, mlp_only_layers=[])
+    model.save_pretrained(tmp_path / "ckpt")
+    out = run_distributed(_ep_layouts_rank, 2, str(tmp_path / "ckpt"), timeout=240)[0]
+    for name in ("decode,ep=2", "train,tp=2,ep=2"):
+        r = out[name]
+        assert r["first"] is None and r["logdiff"] == 0.0 and r["mismatch"] is None, (name, r)
+        assert r["ops"] > 40
+        ka, kb = r["expert_rows"]  # every (token, expert) row once, the same set on both paths
+        assert ka.shape[0] == 14 * 2 and sorted(ka.tolist()) == sorted(kb.tolist()), name
+    f = out["perturbed"]
+    assert f is not None and (f.layer, f.op, f.classification) == \
+        (0, "expert.gate_up", dg.OPERATOR), f
+    assert f.positions and all(e >= 4 for _, _, e in f.positions)

@@ -8,7 +8,8 @@
 
 Paths (see paths.py): the training forward ("train" packed, "padded") vs the decode path
 ("decode": prefill + one token per step through a PagedKVCache), two kernel modes ("invariant",
-"torch"), two checkpoints (model_b=), two TP/EP layouts (layout.run_layout under torchrun).
+"torch"), two checkpoints (model_b=), two TP/EP layouts under torchrun (layout.compare_layouts,
+e.g. "train" vs "decode,tp=2,ep=2": every rank captures, rank 0 merges and compares).
 External engines: `compare_external(model, load_jsonl(path))` (see external.py).
 Command line: `python -m tonp_models.diagnose --help`.
 
@@ -25,6 +26,7 @@ import torch
 from .capture import Capture, Record, Trace, probe
 from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, WEIGHTS,
                       Diagnosis, OpDiff, compare_traces, differing_parameters)
+from .layout import compare_layouts, merge_ranks, run_layout
 from .external import (ExternalReport, ExternalSequence, compare_external, load_jsonl,
                        parse_record, write_external_report)
 from .paths import PathSpec, run_path
@@ -39,7 +41,7 @@ def diagnose(model, sequences: Sequence[torch.Tensor], a: Union[str, PathSpec] =
     `model_b` (default: the same model) in this process, and compare them op by op.
 
     a, b: PathSpec or its text ("train", "decode", "padded", "invariant", "torch",
-        "decode,torch", ...). TP/EP layouts need torchrun: see layout.run_layout.
+        "decode,torch", ...). TP/EP layouts need torchrun: see compare_layouts.
     prompt_lens: prefill lengths for a decode path (default half of each sequence).
     out_dir: if given, also write diagnosis.txt and diagnosis.json there.
     """
@@ -47,7 +49,7 @@ def diagnose(model, sequences: Sequence[torch.Tensor], a: Union[str, PathSpec] =
     for s in specs:
         if s.tp > 1 or s.ep > 1:
             raise ValueError(f"diagnose: path {s.label} needs several ranks; run under torchrun "
-                             f"(python -m tonp_models.diagnose ... or layout.run_layout)")
+                             f"(python -m tonp_models.diagnose ... or compare_layouts)")
     labels = [s.label for s in specs]
     if labels[0] == labels[1]:
         labels = [labels[0] + " (A)", labels[1] + " (B)"]
@@ -64,4 +66,4 @@ __all__ = ["diagnose", "Capture", "Record", "Trace", "probe", "PathSpec", "run_p
            "OPERATOR", "ROUTING", "COLLECTIVE", "PRECISION", "WEIGHTS", "PROPAGATED",
            "format_text", "to_json", "write_report", "NO_DIVERGENCE", "ExternalSequence",
            "ExternalReport", "parse_record", "load_jsonl", "compare_external",
-           "write_external_report"]
+           "write_external_report", "compare_layouts", "run_layout", "merge_ranks"]

@@ -17,6 +17,12 @@ Two mechanisms, both undone on exit:
   (token, expert)), the combine, TP partials; `tonp_parallel.reduce_from_region` is wrapped
   the same way (a collective).
 
+Under expert parallelism a rank's experts receive rows of other ranks' tokens, so which token a
+row is cannot be known locally. The MoE layer probes its dispatch (kind "dispatch": the forward
+row and expert of every (token, slot) row it sends, in send order); the expert records carry the
+received row index instead of a key (`Record.recv_rows`), and `layout.merge_ranks` resolves them
+from the senders' dispatch records (rows arrive by source rank, each in its sender's order).
+
 Every record's rows carry keys (sequence, position, expert or -1), so two paths that computed
 a token in different calls (a whole-sequence pass vs prefill + decode steps whose rows are
 other tokens) can be aligned row by row. Code that is not a tonp_models layer can report its
@@ -34,8 +40,9 @@ from torch import nn
 import tonp_kernels as tk
 
 # Record kinds: "op" (a row-wise result), "route" (expert ids), "partial" (a TP rank's fp32
-# share of a reduction, [R, ...] per rank), "collective" (the result of a reduce over ranks).
-KINDS = ("op", "route", "partial", "collective")
+# share of a reduction, [R, ...] per rank), "collective" (the result of a reduce over ranks),
+# "dispatch" (EP: the rows an MoE layer sends, value = their expert ids; keys[:, 2] too).
+KINDS = ("op", "route", "partial", "collective", "dispatch")
 NO_EXPERT = -1
 
 
@@ -43,7 +50,9 @@ NO_EXPERT = -1
 class Record:
     """One captured tensor. keys int64 [R, 3] = (sequence, position, expert or -1) per row;
     value [R, ...] a detached copy; shard_dim: the dim of `value` split over TP ranks (None =
-    replicated); rank: the TP rank that captured it."""
+    replicated; 0 = rows split over the ranks); rank: the global rank that captured it;
+    recv_rows: EP expert rows only, int64 [R], the index of each row among the rows this rank
+    received in that forward (keys[:, :2] are then unknown until layout.merge_ranks)."""
     layer: Optional[int]
     op: str
     keys: torch.Tensor
@@ -51,6 +60,7 @@ class Record:
     kind: str = "op"
     shard_dim: Optional[int] = None
     rank: int = 0
+    recv_rows: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -90,16 +100,23 @@ class Trace:
 _ACTIVE: List["Capture"] = []
 
 
-def probe(op: str, value: torch.Tensor, *, kind: str = "op", shard_dim: Optional[int] = None
-          ) -> None:
-    """Record `value` (rows = the current forward's tokens) under the innermost running module's
-    name (e.g. "o_proj.partial"), when a Capture is active; otherwise do nothing."""
+def probe(op: str, value: torch.Tensor, *, kind: str = "op", shard_dim: Optional[int] = None,
+          rows: Optional[torch.Tensor] = None) -> None:
+    """Record `value` (rows = the current forward's tokens, or with `rows` (int64 [R]) row i is
+    the forward's row rows[i]) under the innermost running module's name (e.g.
+    "o_proj.partial"), when a Capture is active; otherwise do nothing."""
     if _ACTIVE:
         cap = _ACTIVE[-1]
         name, _ = cap._current()
         leaf = name.rsplit(".", 1)[-1] if name else ""
+        keys = None
+        if rows is not None:
+            keys = cap._row_keys().index_select(0, rows.long())
+            if kind == "dispatch":
+                keys[:, 2] = value
+                cap._share = torch.unique(rows)  # the tokens this rank combines (TP x EP)
         cap.record(f"{leaf}.{op}" if leaf and not leaf.isdigit() else op, value, kind=kind,
-                   shard_dim=shard_dim)
+                   shard_dim=shard_dim, keys=keys)
 
 
 def _layer_of(name: str) -> Optional[int]:
@@ -137,6 +154,7 @@ class Capture:
         self._handles: list = []
         self._patched: list = []
         self._moe: Optional[dict] = None
+        self._share: Optional[torch.Tensor] = None
 
     # -- rows ----------------------------------------------------------------------------------
     def begin_forward(self, seq_ids, positions) -> None:
@@ -147,20 +165,24 @@ class Capture:
             raise ValueError(f"begin_forward: {s.numel()} sequence ids vs {p.numel()} positions")
         self._keys = torch.stack([s, p, torch.full_like(s, NO_EXPERT)], 1)
         self._stack.clear()
+        self._share = None
+
+    def _row_keys(self) -> torch.Tensor:
+        if self._keys is None:
+            raise RuntimeError("Capture: call begin_forward(seq_ids, positions) before the "
+                               "forward so rows can be matched to tokens")
+        return self._keys
 
     def record(self, op: str, value: torch.Tensor, *, keys: Optional[torch.Tensor] = None,
                layer="auto", kind: str = "op", shard_dim: Optional[int] = None,
-               module: Optional[str] = None) -> None:
+               module: Optional[str] = None, recv_rows: Optional[torch.Tensor] = None) -> None:
         """Store a copy of `value` [R, ...]; keys default to the current forward's rows, layer
         ("auto") to the innermost running module's layer (None = outside the layers), module
         (the name of the module whose weights the op uses) to the innermost running module."""
         if kind not in KINDS:
             raise ValueError(f"Capture.record: kind must be one of {KINDS}, got {kind!r}")
         if keys is None:
-            if self._keys is None:
-                raise RuntimeError("Capture: call begin_forward(seq_ids, positions) before the "
-                                   "forward so rows can be matched to tokens")
-            keys = self._keys
+            keys = self._row_keys()
         if value.shape[0] != keys.shape[0]:
             raise ValueError(f"Capture: {op!r} has {value.shape[0]} rows but the forward has "
                              f"{keys.shape[0]} named rows (logits_rows is not supported here)")
@@ -170,7 +192,8 @@ class Capture:
             layer = _layer_of(module)
         self.trace.meta.setdefault("modules", {}).setdefault((layer, op), module)
         self.trace.records.append(Record(layer, op, keys.clone(), value.detach().clone(), kind,
-                                         shard_dim, self.rank))
+                                         shard_dim, self.rank,
+                                         None if recv_rows is None else recv_rows.clone()))
 
     def _current(self) -> Tuple[str, Optional[nn.Module]]:
         return self._stack[-1] if self._stack else ("", None)
@@ -302,7 +325,13 @@ class Capture:
 
         def moe_combine(weights, expert_out):
             y = tk.moe_combine(weights, expert_out)
-            cap.record("combine", y)
+            _, mod = cap._current()
+            if getattr(mod, "token_parts", 1) > 1 and cap._share is not None:
+                # TP x EP: each TP rank combines its share of the tokens (rows split over ranks).
+                cap.record("combine", y, keys=cap._row_keys().index_select(0, cap._share),
+                           shard_dim=0)
+            else:
+                cap.record("combine", y)
             return y
 
         return dict(linear=linear, linear_partial=linear_partial, silu_mul=silu_mul,
@@ -321,18 +350,21 @@ class Capture:
         original = type(mod)._run_local_experts.__get__(mod)
 
         def run(*args, **kw):
-            if getattr(mod, "ep_size", 1) > 1 or len(args) != 3 or kw:
-                # Under EP the rows an expert receives come from other ranks' tokens: which
-                # token each row is needs the dispatch plan, so expert rows are not captured
-                # (routing and the token-owned combine still are).
-                self.trace.meta["expert_rows"] = "not captured (expert parallelism)"
+            if len(args) != 3 or kw:
+                self.trace.meta["expert_rows"] = "not captured (unknown expert call)"
                 return original(*args, **kw)
             x, token_of_row, counts = args
             starts, s = {}, 0
             for e in range(mod.local_experts):
                 starts[mod.first_expert + e] = s
                 s += counts[mod.first_expert + e]
-            self._moe = dict(token_of_row=token_of_row, counts=counts, starts=starts, expert=None)
+            # Under EP, x holds the received rows: token_of_row indexes them, and the keys are
+            # resolved on merge from the senders' dispatch records.
+            ep = getattr(mod, "ep_size", 1) > 1
+            if ep:
+                self.trace.meta["experts_per_rank"] = mod.local_experts
+            self._moe = dict(token_of_row=token_of_row, counts=counts, starts=starts, expert=None,
+                             ep=ep)
             try:
                 return original(x, token_of_row, counts)
             finally:
@@ -360,7 +392,13 @@ class Capture:
         m = self._moe
         e = m["expert"]
         start, n = m["starts"][e], m["counts"][e]
-        keys = self._keys.index_select(0, m["token_of_row"][start:start + n]).clone()
+        rows = m["token_of_row"][start:start + n]
+        if m["ep"]:
+            keys = torch.full((n, 3), NO_EXPERT, dtype=torch.int64)
+            keys[:, 2] = e
+            self.record(op, y, keys=keys, recv_rows=rows)
+            return
+        keys = self._keys.index_select(0, rows).clone()
         keys[:, 2] = e
         self.record(op, y, keys=keys)
 

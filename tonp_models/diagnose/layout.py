@@ -2,17 +2,24 @@
 
 Every rank of a TP group runs the same ops in the same order, so the records line up by index:
 * a record with `shard_dim` (column-parallel outputs, per-head q/k/attention) is concatenated
-  over ranks on that dim (rank order = head / column order), giving the TP-1 tensor;
+  over ranks on that dim (rank order = head / column order), giving the TP-1 tensor; shard_dim
+  0 (the MoE combine under TP x EP: each TP rank combines its share of the tokens) concatenates
+  the rows and their keys;
 * a "partial" record (a rank's fp32 share of a row-parallel reduction) is stacked on a new dim 1
   ([R, ranks, ...]), so "every rank's partial equal" is one comparison;
 * any other record is replicated: rank 0's copy is kept, and ranks that disagree are noted in
   `trace.meta["rank_mismatch"]` (a collective that does not give every rank the same bits);
-* expert records ("expert.*", one row per (token, expert)) are rank-local under EP: the rows of
-  all ranks are kept.
+* expert records ("expert.*", one row per (token, expert)): without EP every TP rank computes
+  every row (rank 0's group's rows are kept). Under EP an expert's rows come from every rank of
+  its EP group: each received row is named from its sender's "dispatch" record (the k-th
+  forward of a layer on the receiver matches the k-th on every sender; rows arrive by source
+  rank, each in its sender's send order), and the rows whose token belongs to rank 0's
+  model-parallel group (data-parallel rank 0) are kept, from whichever rank ran the expert.
+The merged trace holds no "dispatch" records: a single process has none.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -36,43 +43,80 @@ def run_layout(ckpt: str, sequences: Sequence[torch.Tensor], spec: PathSpec, *,
                dtype: Optional[torch.dtype] = None, prompt_lens=None,
                label: Optional[str] = None) -> Optional[Trace]:
     """Collective (every rank calls it): load checkpoint `spec.ckpt or ckpt` in the layout
-    spec.tp x spec.ep (tonp_parallel.init_parallel), run `spec`'s path on every rank, and return
-    the merged trace of rank 0's model-parallel group on rank 0 (None on other ranks)."""
+    spec.tp x spec.ep (tonp_parallel.init_parallel), run `spec`'s path on every rank (the same
+    sequences on every data-parallel rank), and return the merged trace of rank 0's
+    model-parallel group on rank 0 (None on other ranks)."""
+    import torch.distributed as dist
+
     import tonp_parallel as tpar
     from ..qwen3_moe import Qwen3MoeForCausalLM
-    if spec.tp > 1 and spec.ep > 1:
-        raise NotImplementedError("diagnose: merging captures of TP x EP layouts (both > 1) is "
-                                  "not supported; compare tp=N and ep=N separately")
     groups = tpar.init_parallel(tp=spec.tp, ep=spec.ep)
     model_groups = groups if spec.tp * spec.ep > 1 else None
     model = Qwen3MoeForCausalLM.from_pretrained(spec.ckpt or ckpt, dtype=dtype,
                                                 groups=model_groups)
     trace = run_path(model, sequences, spec.kind, mode=spec.mode, prompt_lens=prompt_lens,
                      label=label or spec.label, rank=groups.rank)
-    gathered = gather_traces((groups.dp_rank, trace))
+    ep_group = groups.ep_group if model_groups is not None else None
+    trace.meta.update(rank=groups.rank, dp_rank=groups.dp_rank,
+                      ep_ranks=dist.get_process_group_ranks(ep_group)
+                      if ep_group is not None else [groups.rank])
+    gathered = gather_traces(trace)
     if gathered is None:
         return None
-    return merge_ranks([t for dp, t in gathered if dp == 0], label or spec.label)
+    return merge_ranks(gathered, label or spec.label)
+
+
+def compare_layouts(ckpt: str, sequences: Sequence[torch.Tensor], a, b, *,
+                    dtype: Optional[torch.dtype] = None, prompt_lens=None,
+                    out_dir: Optional[str] = None):
+    """Collective: run path `a` and path `b` (PathSpec or text, e.g. "train" and "decode,ep=2")
+    with run_layout and compare them -> Diagnosis on rank 0 (None elsewhere); also writes
+    diagnosis.txt/.json to out_dir on rank 0 when given."""
+    from .compare import compare_traces
+    from .report import write_report
+    specs = [PathSpec.parse(s) if isinstance(s, str) else s for s in (a, b)]
+    labels = [s.label for s in specs]
+    if labels[0] == labels[1]:
+        labels = [labels[0] + " (A)", labels[1] + " (B)"]
+    traces = [run_layout(ckpt, sequences, s, dtype=dtype, prompt_lens=prompt_lens, label=lab)
+              for s, lab in zip(specs, labels)]
+    if traces[0] is None:
+        return None
+    diag = compare_traces(*traces)
+    if out_dir is not None:
+        write_report(diag, out_dir)
+    return diag
+
+
+def _is_expert(r: Record) -> bool:
+    return r.op.startswith("expert.")
 
 
 def merge_ranks(traces: List[Trace], label: Optional[str] = None) -> Trace:
-    """One trace equal in shape to a TP-1 trace, from the per-rank traces (rank order)."""
+    """One trace equal in shape to a TP-1 trace, from every rank's trace (global rank order).
+    Traces with meta["dp_rank"] != 0 only contribute the expert rows they ran for rank 0's
+    group's tokens (EP); traces without layout metadata count as data-parallel rank 0."""
     if not traces:
         raise ValueError("merge_ranks: no traces")
-    split = [([r for r in t.records if not r.op.startswith("expert.")],
-              [r for r in t.records if r.op.startswith("expert.")]) for t in traces]
-    counts = {len(s[0]) for s in split}
+    main = [t for t in traces if t.meta.get("dp_rank", 0) == 0]
+    split = [[r for r in t.records if not _is_expert(r) and r.kind != "dispatch"] for t in main]
+    counts = {len(s) for s in split}
     if len(counts) != 1:
         raise ValueError(f"merge_ranks: ranks captured different numbers of records {counts}; "
                          f"they did not run the same ops")
-    merged = Trace(label or traces[0].label, meta=dict(traces[0].meta, ranks=len(traces)))
+    experts = _expert_records(traces, main)
+    merged = Trace(label or traces[0].label, meta=dict(main[0].meta, ranks=len(main)))
     mismatch, experts_done = [], set()
-    for i, r0 in enumerate(split[0][0]):
-        group = [s[0][i] for s in split]
+    for i, r0 in enumerate(split[0]):
+        group = [s[i] for s in split]
         if any((r.layer, r.op) != (r0.layer, r0.op) for r in group):
             raise ValueError(f"merge_ranks: record {i} is {[(r.layer, r.op) for r in group]} "
                              f"across ranks")
-        if r0.shard_dim is not None:
+        keys = r0.keys
+        if r0.shard_dim == 0:
+            keys = torch.cat([r.keys for r in group])
+            value = torch.cat([r.value for r in group])
+        elif r0.shard_dim is not None:
             value = torch.cat([r.value for r in group], r0.shard_dim)
         elif r0.kind == "partial":
             value = torch.stack([r.value for r in group], 1)
@@ -80,14 +124,72 @@ def merge_ranks(traces: List[Trace], label: Optional[str] = None) -> Trace:
             value = r0.value
             if any(not torch.equal(r.value, value) for r in group[1:]):
                 mismatch.append(f"layer {r0.layer} {r0.op}")
-        merged.records.append(Record(r0.layer, r0.op, r0.keys, value, r0.kind, None, 0))
+        merged.records.append(Record(r0.layer, r0.op, keys, value, r0.kind, None, 0))
         if r0.op == "route.weights" and r0.layer not in experts_done:
             experts_done.add(r0.layer)  # this layer's expert rows follow its routing
-            for s in split:
-                merged.records.extend(r for r in s[1] if r.layer == r0.layer)
+            merged.records.extend(experts.get(r0.layer, []))
     if mismatch:
         merged.meta["rank_mismatch"] = sorted(set(mismatch))
     return merged
 
 
-__all__ = ["gather_traces", "merge_ranks"]
+def _expert_records(traces: List[Trace], main: List[Trace]) -> Dict[Optional[int], List[Record]]:
+    """Layer -> expert records with keys, for the tokens of the main (dp rank 0) traces."""
+    out: Dict[Optional[int], List[Record]] = {}
+    for t in main:  # without EP: computed where the token lives
+        for r in t.records:
+            if _is_expert(r) and r.recv_rows is None:
+                out.setdefault(r.layer, []).append(r)
+    if not any(r.recv_rows is not None for t in traces for r in t.records):
+        return out
+    by_rank = {t.meta.get("rank", i): t for i, t in enumerate(traces)}
+    mine = {t.meta.get("rank", 0) for t in main}
+    sent = {rank: _dispatches(t) for rank, t in by_rank.items()}
+    for rank, t in by_rank.items():
+        senders = t.meta.get("ep_ranks", [rank])
+        per_rank = t.meta.get("experts_per_rank")
+        if rank not in senders or per_rank is None or any(s not in sent for s in senders):
+            raise ValueError(f"merge_ranks: rank {rank} ran experts under EP but its EP group "
+                             f"{senders} (or experts per rank) was not captured")
+        me = senders.index(rank)
+        calls: Dict[Optional[int], int] = {}
+        for r in t.records:
+            if r.kind == "dispatch":
+                calls[r.layer] = calls.get(r.layer, 0) + 1
+            if not _is_expert(r) or r.recv_rows is None:
+                continue
+            k = calls.get(r.layer, 0) - 1
+            keys, source = [], []
+            for s in senders:  # the rows this rank received in call k, by source rank
+                d = sent[s].get(r.layer, [])
+                if k < 0 or k >= len(d):
+                    raise ValueError(f"merge_ranks: layer {r.layer} ran {len(d)} dispatches on "
+                                     f"rank {s} but rank {rank} received call {k}")
+                rows = d[k][d[k][:, 2] // per_rank == me]
+                keys.append(rows)
+                source.append(torch.full((rows.shape[0],), s, dtype=torch.int64))
+            table, source = torch.cat(keys), torch.cat(source)
+            if r.recv_rows.numel() and int(r.recv_rows.max()) >= table.shape[0]:
+                raise ValueError(f"merge_ranks: layer {r.layer} {r.op} on rank {rank} indexes "
+                                 f"received row {int(r.recv_rows.max())} of {table.shape[0]}")
+            rk = table.index_select(0, r.recv_rows)
+            if not torch.equal(rk[:, 2], r.keys[:, 2]):
+                raise ValueError(f"merge_ranks: layer {r.layer} {r.op} on rank {rank}: the "
+                                 f"senders' dispatch records do not match the received experts")
+            keep = torch.isin(source.index_select(0, r.recv_rows),
+                              torch.tensor(sorted(mine), dtype=torch.int64))
+            out.setdefault(r.layer, []).append(Record(r.layer, r.op, rk[keep], r.value[keep],
+                                                      r.kind, None, rank))
+    return out
+
+
+def _dispatches(t: Trace) -> Dict[Optional[int], List[torch.Tensor]]:
+    """Layer -> the keys of each dispatch call's sent rows (in call order)."""
+    d: Dict[Optional[int], List[torch.Tensor]] = {}
+    for r in t.records:
+        if r.kind == "dispatch":
+            d.setdefault(r.layer, []).append(r.keys)
+    return d
+
+
+__all__ = ["gather_traces", "run_layout", "compare_layouts", "merge_ranks"]

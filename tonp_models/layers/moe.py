@@ -97,9 +97,11 @@ class SparseMoeBlock(nn.Module):
         from tonp_parallel.collectives import all_to_all_rows
         from tonp_parallel.sharding import (gather_rows_from_region, row_share,
                                             scatter_rows_to_region)
+        from ..diagnose.capture import probe
         M, K, W, tp, P = x.shape[0], self.top_k, self.ep_size, self.tp_group, self.token_parts
         x = scatter_rows_to_region(x, tp, P)                                       # (n, H)
         weights = scatter_rows_to_region(weights, tp, P)                           # (n, K)
+        start = 0
         if P > 1:
             start, n = row_share(M, P, _tp_rank(tp) % P)
             ids = ids[start:start + n]
@@ -107,10 +109,13 @@ class SparseMoeBlock(nn.Module):
         flat = ids.reshape(-1)                                                     # (n*K,)
         order = torch.argsort(flat, stable=True)     # by expert id, hence by owner rank
         expert_sorted = flat.index_select(0, order)
+        token = order // K                                                         # (n*K,)
+        # The diagnoser (a no-op unless capturing) names each sent row: forward row and expert.
+        probe("dispatch", expert_sorted, kind="dispatch", rows=token + start)
         send = torch.bincount(expert_sorted // self.local_experts, minlength=W)     # (W,)
         recv = all_to_all_rows(send, None, None, self.ep_group)                    # (W,)
         send, recv = send.tolist(), recv.tolist()
-        rows = x.index_select(0, order // K)                                       # (n*K, H)
+        rows = x.index_select(0, token)                                            # (n*K, H)
         got = all_to_all(rows, recv, send, self.ep_group)                          # (R, H)
         got_expert = all_to_all_rows(expert_sorted, recv, send, self.ep_group)     # (R,)
         # Received rows arrive by source rank; run them grouped by expert, ascending id.
