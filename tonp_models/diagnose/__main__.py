@@ -4,6 +4,8 @@
     python -m tonp_models.diagnose --hf CKPT --paths invariant:torch --out diag/
     python -m tonp_models.diagnose --hf CKPT --hf-b CKPT2 --paths ckpt:ckpt --out diag/
     torchrun --nproc-per-node 2 -m tonp_models.diagnose --hf CKPT --paths tp=1:tp=2 --out diag/
+    torchrun --nproc-per-node 2 -m tonp_models.diagnose --preset tiny --paths train:decode,tp=2,ep=2 \
+        --out diag/
     python -m tonp_models.diagnose --hf CKPT --external vllm.jsonl --out diag/
 
 A path is a comma list of: a kind (train | padded | decode), a kernel mode (invariant |
