@@ -39,6 +39,8 @@ from torch import nn
 
 import tonp_kernels as tk
 
+from ..layers import probe as layer_probe
+
 # Record kinds: "op" (a row-wise result), "route" (expert ids), "partial" (a TP rank's fp32
 # share of a reduction, [R, ...] per rank), "collective" (the result of a reduce over ranks),
 # "dispatch" (EP: the rows an MoE layer sends, value = their expert ids; keys[:, 2] too).
@@ -203,9 +205,11 @@ class Capture:
         self._install_hooks()
         self._install_proxies()
         _ACTIVE.append(self)
+        layer_probe.push_hook(probe)
         return self
 
     def __exit__(self, *exc) -> bool:
+        layer_probe.pop_hook(probe)
         _ACTIVE.remove(self)
         for h in self._handles:
             h.remove()

@@ -32,6 +32,7 @@ from torch import nn
 import tonp_kernels as tk
 
 from .linear import Shard, _tp_rank, _tp_size
+from .probe import probe
 
 
 class SparseMoeBlock(nn.Module):
@@ -97,7 +98,6 @@ class SparseMoeBlock(nn.Module):
         from tonp_parallel.collectives import all_to_all_rows
         from tonp_parallel.sharding import (gather_rows_from_region, row_share,
                                             scatter_rows_to_region)
-        from ..diagnose.capture import probe
         M, K, W, tp, P = x.shape[0], self.top_k, self.ep_size, self.tp_group, self.token_parts
         x = scatter_rows_to_region(x, tp, P)                                       # (n, H)
         weights = scatter_rows_to_region(weights, tp, P)                           # (n, K)
@@ -110,7 +110,7 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)     # by expert id, hence by owner rank
         expert_sorted = flat.index_select(0, order)
         token = order // K                                                         # (n*K,)
-        # The diagnoser (a no-op unless capturing) names each sent row: forward row and expert.
+        # For inspection tools (a no-op otherwise): each sent row's forward row and expert.
         probe("dispatch", expert_sorted, kind="dispatch", rows=token + start)
         send = torch.bincount(expert_sorted // self.local_experts, minlength=W)     # (W,)
         recv = all_to_all_rows(send, None, None, self.ep_group)                    # (W,)
