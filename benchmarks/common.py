@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -66,6 +66,39 @@ def timeit(fn: Callable[[], object], *, repeat: int = 3, max_total_s: float = 10
         samples.append(time.perf_counter() - t0)
     note = f"{n} of {repeat} runs (time budget)" if n < repeat else ""
     return Timing(_STATS[stat](samples), n, warm, samples, note)
+
+
+def timeit_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 3,
+                       max_total_s: float = 10.0, max_call_s: float = 60.0,
+                       stat: str = "median") -> Dict[str, Timing]:
+    """`timeit` for several contenders, run round-robin: one warm-up each, then up to `repeat`
+    rounds in which every contender runs once, so a burst of load on a shared machine hits them
+    alike and their ratio stays fair. A contender slower than `max_call_s` in warm-up keeps its
+    warm-up as its only sample."""
+    if repeat < 1:
+        raise ValueError(f"timeit_interleaved: repeat must be >= 1, got {repeat}")
+    warm = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        warm[name] = time.perf_counter() - t0
+    again = [n for n in fns if warm[n] <= max_call_s]
+    per_round = sum(warm[n] for n in again)
+    rounds = max(1, min(repeat, int((max_total_s - sum(warm.values())) / max(per_round, 1e-9))))
+    samples: Dict[str, List[float]] = {n: [] for n in again}
+    for _ in range(rounds if again else 0):
+        for n in again:
+            t0 = time.perf_counter()
+            fns[n]()
+            samples[n].append(time.perf_counter() - t0)
+    out = {}
+    for n in fns:
+        if n not in samples:
+            out[n] = Timing(warm[n], 1, warm[n], [warm[n]], note="warm-up only (slow call)")
+        else:
+            note = f"{rounds} of {repeat} runs (time budget)" if rounds < repeat else ""
+            out[n] = Timing(_STATS[stat](samples[n]), rounds, warm[n], samples[n], note)
+    return out
 
 
 def summarize(samples: Sequence[float], stat: str = "median") -> float:

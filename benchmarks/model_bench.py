@@ -10,6 +10,9 @@ What one engine is timed on (the same for the three):
     pick; its time is the gap between consecutive steps (tonp: forward starts, seen through a thin
     proxy; transformers: calls of a LogitsProcessor, which runs once per step). The median step
     over every decode step of `repeat` calls is reported; tokens/s = batch / step.
+  * engines alive together are measured round-robin (each repeat runs every engine once), so a
+    burst of load on a shared machine hits them alike: tonp's two modes always (one model), and
+    transformers with them when the model is small.
   * prefill: one generate call with max_new_tokens=1 (the whole prompt batch in one forward, the
     LM head on the last rows only, one token pick); tokens/s = prompt tokens / call.
   * training: forward + backward of the mean token log-prob of a [B, L] batch (tonp:
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -31,7 +34,7 @@ import torch
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
 
-from common import free_memory, log, summarize, timeit
+from common import free_memory, log, summarize, timeit_interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TONP_MODES = ("invariant", "torch")
@@ -100,7 +103,8 @@ class _ForwardClock:
 
 class TonpEngine:
     def __init__(self, model: Qwen3MoeForCausalLM, mode: str):
-        self.model, self.mode, self.name = model, mode, f"tonp {mode}"
+        self.model = self.module = model
+        self.mode, self.name = mode, f"tonp {mode}"
 
     def decode_steps(self, prompts: torch.Tensor, n_new: int) -> List[float]:
         """Seconds of each decode step (all but the prefill forward) of one greedy generate."""
@@ -136,7 +140,8 @@ class _StepClock:
 
 class HFEngine:
     def __init__(self, hf):
-        self.hf, self.name = hf, "transformers"
+        self.hf = self.module = hf
+        self.name = "transformers"
         hf.generation_config.eos_token_id = None  # random weights: never stop early
         hf.generation_config.pad_token_id = 0
 
@@ -177,41 +182,52 @@ def _tokens(case: Case, shape: tuple, seed: int) -> torch.Tensor:
     return torch.randint(0, case.config.vocab_size, shape, generator=g)
 
 
-def bench_engine(engine, case: Case, stat: str) -> dict:
-    """Every measurement of one engine: decode_b{batch}, prefill, train -> {tok_s, ...}."""
-    out = {}
+def bench_engines(engines: list, case: Case, stat: str) -> Dict[str, dict]:
+    """Every measurement (decode_b{batch}, prefill, train -> {tok_s, ...}) of several engines,
+    round-robin (each repeat runs every engine once), so load drift hits them alike."""
+    out: Dict[str, dict] = {e.name: {} for e in engines}
     for batch, n_new in case.decode.items():
         prompts = _tokens(case, (batch, case.prompt_len), seed=batch)
-        engine.decode_steps(prompts, min(3, n_new))                     # warm-up
-        steps = []
+        for e in engines:
+            e.decode_steps(prompts, min(3, n_new))                     # warm-up
+        steps: Dict[str, List[float]] = {e.name: [] for e in engines}
         for _ in range(case.repeat):
-            steps += engine.decode_steps(prompts, n_new)
-        step_s = summarize(steps, stat)
-        out[f"decode_b{batch}"] = {"tok_s": batch / step_s, "step_s": step_s,
-                                   "steps": len(steps), "batch": batch,
-                                   "context": case.prompt_len + n_new / 2}
-        log(f"    {engine.name} decode b{batch}: {batch / step_s:.1f} tok/s")
-    kw = dict(repeat=case.repeat, max_total_s=case.max_total_s, max_call_s=case.max_call_s,
-              stat=stat)
-    for what, fn in (("prefill", engine.prefill), ("train", engine.train_step)):
+            for e in engines:
+                steps[e.name] += e.decode_steps(prompts, n_new)
+        for e in engines:
+            step_s = summarize(steps[e.name], stat)
+            out[e.name][f"decode_b{batch}"] = {
+                "tok_s": batch / step_s, "step_s": step_s, "steps": len(steps[e.name]),
+                "batch": batch, "context": case.prompt_len + n_new / 2}
+            log(f"    {e.name} decode b{batch}: {batch / step_s:.1f} tok/s")
+    for what in ("prefill", "train"):
         B, L = getattr(case, what)
         ids = _tokens(case, (B, L), seed=100)
-        t = timeit(lambda: fn(ids), **kw)
-        out[what] = {"tok_s": B * L / t.seconds, "step_s": t.seconds, "runs": t.runs,
-                     "note": t.note, "tokens": B * L}
-        log(f"    {engine.name} {what}: {B * L / t.seconds:.1f} tok/s ({t.runs} runs)")
-    if hasattr(engine, "model"):
-        engine.model.zero_grad(set_to_none=True)
-    else:
-        engine.hf.zero_grad(set_to_none=True)
+        fns = {e.name: (lambda e=e: getattr(e, "prefill" if what == "prefill" else
+                                            "train_step")(ids)) for e in engines}
+        times = timeit_interleaved(fns, repeat=case.repeat, max_total_s=case.max_total_s,
+                                   max_call_s=case.max_call_s, stat=stat)
+        for name, t in times.items():
+            out[name][what] = {"tok_s": B * L / t.seconds, "step_s": t.seconds,
+                               "runs": t.runs, "note": t.note, "tokens": B * L}
+            log(f"    {name} {what}: {B * L / t.seconds:.1f} tok/s ({t.runs} runs)")
+    for e in engines:
+        e.module.zero_grad(set_to_none=True)
     return out
 
 
-def bench_case(case: Case, stat: str = "median", profile: bool = False,
-               dtypes=("fp32", "bf16"), on_tonp: Optional[Callable] = None) -> dict:
+# Below this size (fp32 bytes) transformers and tonp are loaded together and measured
+# round-robin; above it, one model at a time (the 30B-A3B-shaped one is 5 GB, training doubles it).
+SHARE_MEMORY_BYTES = 2 ** 30
+
+
+def bench_case(case: Case, stat: str = "median", dtypes=("fp32", "bf16"),
+               on_tonp: Optional[Callable] = None) -> dict:
     """Measure every engine of a case in both dtypes. `on_tonp(case, dtype, model, results)` is
     called while the tonp model is alive (after both its modes and transformers are measured):
-    the place for checks and profiles that need the model. Returns {dtype: {engine: {...}}}."""
+    the place for checks and profiles that need the model. Returns {dtype: {engine: {...}}}.
+    tonp's two modes are always measured round-robin; transformers joins them when the model is
+    small (SHARE_MEMORY_BYTES), else it runs first, alone."""
     results: dict = {}
     info: dict = {}
     with tempfile.TemporaryDirectory(prefix="tonp_bench_") as tmp:
@@ -220,26 +236,33 @@ def bench_case(case: Case, stat: str = "median", profile: bool = False,
         log(f"{case.name}: building random weights and saving them")
         model = Qwen3MoeForCausalLM(case.config, dtype=torch.float32)
         info["params"] = sum(p.numel() for p in model.parameters())
+        together = info["params"] * 4 <= SHARE_MEMORY_BYTES
+        info["round_robin"] = "all three engines" if together else "tonp modes only"
         model.save_pretrained(path)
         del model
         free_memory()
         for name in dtypes:
             dtype = DTYPES[name]
             res = results[name] = {}
-            log(f"{case.name} {name}: transformers (attn {HF_ATTN})")
+            log(f"{case.name} {name}: transformers (attn {HF_ATTN})"
+                + (", with tonp" if together else ""))
             hf = load_hf(path, dtype)
             info["hf_attention"] = hf.config._attn_implementation
             info["hf_experts"] = getattr(hf.config, "_experts_implementation", "n/a")
-            res["transformers"] = bench_engine(HFEngine(hf), case, stat)
-            del hf
-            free_memory()
+            engines = [HFEngine(hf)]
+            if not together:
+                res.update(bench_engines(engines, case, stat))
+                del hf, engines
+                free_memory()
+                engines = []
             model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype)
-            for mode in TONP_MODES:
-                log(f"{case.name} {name}: tonp {mode}")
-                res[f"tonp {mode}"] = bench_engine(TonpEngine(model, mode), case, stat)
+            engines += [TonpEngine(model, mode) for mode in TONP_MODES]
+            log(f"{case.name} {name}: " + ", ".join(e.name for e in engines))
+            res.update(bench_engines(engines, case, stat))
             if on_tonp is not None:
                 on_tonp(case, name, model, res)
-            del model
+            del model, engines
+            hf = None
             free_memory()
     return {"info": info, "results": results}
 
