@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/run_all.py           # full run (~15 min, 2 cores)
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/run_all.py --quick   # tiny model only (~1-2 min)
+    ... run_all.py --models 30B --dtypes bf16 --skip-kernels --skip-collectives   # one slice
+    ... run_all.py --render-only benchmarks/results/latest.json   # rebuild a stored report
 
 Writes benchmarks/results/latest.{md,json,png} (--quick: latest_quick.*): the machine's limits
 (roofline.py), rollout and training throughput of tonp "invariant", tonp "torch" mode and
@@ -283,6 +285,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="profile missed targets (default: on, off with --quick/--smoke)")
     ap.add_argument("--dtypes", nargs="+", choices=tuple(mb.DTYPES), default=list(mb.DTYPES))
+    ap.add_argument("--models", nargs="+", metavar="PREFIX",
+                    help="only the models whose name starts with one of these (e.g. tiny, 30B)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--kernels-full", action="store_true",
                     help="run kernels.py at full size (default: its --quick, for time)")
@@ -301,6 +305,12 @@ def main(argv=None) -> dict:
     log(f"read {machine['read_GBs']:.2f} GB/s, copy {machine['copy_GBs']:.2f} GB/s, "
         f"GEMM {machine['gemm_fp32_GFLOPs']:.1f} GFLOP/s")
     cases, store, runs = mb.make_cases(mode), {}, []
+    if args.models:
+        cases = [c for c in cases if any(c.name.lower().startswith(m.lower())
+                                         for m in args.models)]
+        if not cases:
+            names = [c.name for c in mb.make_cases(mode)]
+            ap.error(f"--models {args.models} matches none of {names}")
     hook = checks_and_profiles(machine, profile, store)
     for case in cases:
         runs.append(mb.bench_case(case, args.stat, dtypes=args.dtypes, on_tonp=hook))
