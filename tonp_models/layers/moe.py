@@ -133,14 +133,17 @@ class SparseMoeBlock(nn.Module):
         """Rows sorted by expert: row r is token token_of_row[r] sent to the r-th expert in
         counts order. Runs this rank's experts in ascending id -> [rows, H] in x.dtype."""
         I, outs, start = self.intermediate, [], 0
+        # One unbind, not an index per expert: each index's backward would build a zero gradient
+        # the size of the whole [E, 2I, H] tensor (30x slower training at 128 experts).
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e in range(self.local_experts):
             n = counts[self.first_expert + e]
             if n == 0:
                 continue
             xe = x.index_select(0, token_of_row[start:start + n])                  # (n, H)
-            gu = tk.linear(xe, self.gate_up_proj[e], chunks=self.chunks)           # (n, 2I)
+            gu = tk.linear(xe, gate_up[e], chunks=self.chunks)                     # (n, 2I)
             h = tk.silu_mul(gu[:, :I].contiguous(), gu[:, I:].contiguous())        # (n, I)
-            outs.append(tk.linear(h, self.down_proj[e], chunks=self.chunks))      # (n, H)
+            outs.append(tk.linear(h, down[e], chunks=self.chunks))                # (n, H)
             start += n
         if not outs:
             # x[:0] keeps the graph connected, so every EP rank runs the backward all_to_all.
