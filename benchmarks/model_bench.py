@@ -34,7 +34,7 @@ import torch
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
 
-from common import free_memory, log, summarize, timeit_interleaved
+from benchlib import free_memory, log, summarize, timeit_interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TONP_MODES = ("invariant", "torch")

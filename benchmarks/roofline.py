@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from common import timeit
+from benchlib import timeit
 
 GEMM_N = 2048
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run a
 
 import model_bench as mb  # noqa: E402
 import roofline  # noqa: E402
-from common import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
+from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
                     md_table, write_results)
 
 BYTES = {"fp32": 4, "bf16": 2}
