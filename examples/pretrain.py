@@ -128,8 +128,8 @@ def run_meta(args, config, groups) -> Dict:
 
 
 def export_hf(model, path: str, groups) -> Optional[str]:
-    """`model.save_pretrained(path)` from rank 0 (DP replicas are identical). TP/EP shards are
-    gathered by save_pretrained itself, or it raises NotImplementedError, which propagates."""
+    """`model.save_pretrained(path)`: under TP/EP every rank takes part (save_pretrained gathers
+    the shards and global rank 0 writes); otherwise rank 0 alone (DP replicas are identical)."""
     if groups.tp_size > 1 or groups.ep_size > 1:
         model.save_pretrained(path)                 # every rank takes part
     elif groups.rank == 0:

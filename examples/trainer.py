@@ -175,18 +175,13 @@ def setup_parallel(tp: int, ep: int):
 
 
 def build_model(config, dtype: torch.dtype, groups, seed: int) -> Qwen3MoeForCausalLM:
-    """The model, initialised from `seed` (the same weights on every rank for the same shard).
-    A NotImplementedError from the model (TP/EP not wired yet) is re-raised with the flags."""
+    """The model, initialised from `seed`: each rank holds exactly its shard of the weights the
+    single-process model would draw (bad TP/EP layouts are refused with every reason listed)."""
     if groups.world_size > 1:
         tpar.validate_model_layout(config, tp=groups.tp_size, ep=groups.ep_size)
     torch.manual_seed(seed)
-    try:
-        return Qwen3MoeForCausalLM(config, dtype=dtype,
-                                   groups=groups if groups.world_size > 1 else None)
-    except NotImplementedError as e:
-        raise NotImplementedError(f"this model does not support the requested parallel layout "
-                                  f"({groups.describe()}): {e}. Data parallelism (--tp 1 "
-                                  f"--ep 1 under torchrun) works.") from e
+    return Qwen3MoeForCausalLM(config, dtype=dtype,
+                               groups=groups if groups.world_size > 1 else None)
 
 
 
