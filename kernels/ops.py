@@ -34,6 +34,16 @@ def _check_float(name: str, *tensors: torch.Tensor) -> None:
                                f"tensor on {t.device} (use tonp_kernels.use('torch') elsewhere)")
 
 
+def _call(op, *args):
+    """Call a tonp op; when no input needs a gradient, dispatch below Autograd, skipping
+    torch.library's Python autograd wrapper (~16 us a call: most of a decode step's overhead)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return op(*args)  # traced graphs and autograd take the registered path
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
 def _check_chunks(name: str, K: int, chunks: int) -> None:
     if chunks < 1 or chunks & (chunks - 1):
         raise ValueError(f"tonp.{name}: chunks must be a power of two, got {chunks}")
@@ -60,7 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                          f"not match: expected x [..., K] and weight [N, K]")
     _check_chunks("linear", weight.shape[1], chunks)
     lead = x.shape[:-1]
-    y = torch.ops.tonp.linear(x.reshape(-1, x.shape[-1]), weight, bias, chunks, out_dtype)
+    y = _call(torch.ops.tonp.linear, x.reshape(-1, x.shape[-1]), weight, bias, chunks,
+              out_dtype)
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -96,7 +107,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"tonp.rms_norm: weight {tuple(weight.shape)} does not match x "
                          f"{tuple(x.shape)} (expected [{x.shape[-1]}])")
-    y = torch.ops.tonp.rms_norm(x.reshape(-1, x.shape[-1]), weight, float(eps))
+    y = _call(torch.ops.tonp.rms_norm, x.reshape(-1, x.shape[-1]), weight, float(eps))
     return y.reshape(x.shape)
 
 
@@ -108,7 +119,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"tonp.silu_mul: gate {tuple(gate.shape)}/{gate.dtype} and up "
                          f"{tuple(up.shape)}/{up.dtype} must match")
-    return torch.ops.tonp.silu_mul(gate, up)
+    return _call(torch.ops.tonp.silu_mul, gate, up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +154,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"tonp.attention_varlen: cu_seqlens must rise from 0 to T={q.shape[0]}; "
                          f"got {cu.tolist()}")
-    return torch.ops.tonp.attention_varlen(q, k, v, cu, float(scale), int(block))
+    return _call(torch.ops.tonp.attention_varlen, q, k, v, cu, float(scale), int(block))
 
 
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -310,8 +321,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool):
     if not _invariant():
         return stock.moe_route(router_logits, top_k, normalize)
     _check_float("moe_route", router_logits)
-    return torch.ops.tonp.moe_route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
-                                    bool(normalize))
+    return _call(torch.ops.tonp.moe_route, router_logits.reshape(-1, router_logits.shape[-1]),
+                 top_k, bool(normalize))
 
 
 def moe_combine(weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
@@ -323,7 +334,7 @@ def moe_combine(weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor
     if weights.shape != expert_out.shape[:2]:
         raise ValueError(f"tonp.moe_combine: weights {tuple(weights.shape)} vs expert_out "
                          f"{tuple(expert_out.shape)}")
-    return torch.ops.tonp.moe_combine(weights.float(), expert_out)
+    return _call(torch.ops.tonp.moe_combine, weights.float(), expert_out)
 
 
 __all__ = [
