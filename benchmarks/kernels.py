@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 
 import tonp_kernels as tk
 from tonp_kernels import stock
+
+from benchlib import cpu_name  # benchmarks/ is on sys.path when run as a script
 
 LINEAR_SHAPES = (  # (name, K, N)
     ("qkv/o 2048->4096", 2048, 4096),
@@ -266,16 +267,6 @@ def markdown(linear_rows, attn_rows, meta) -> str:
         out.append(f"| {case} | {r['dtype']} | {a} | {b} | {fmt(r.get('ratio'), 2)}x | "
                    f"{met(r)} |")
     return "\n".join(out) + "\n"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main():

@@ -27,14 +27,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tonp_kernels as tk  # noqa: E402
 import tonp_parallel as tpar  # noqa: E402
 from tonp_models import Qwen3MoeForCausalLM  # noqa: E402
 
 import make_corpus  # noqa: E402
 from common import (DTYPES, IndexSampler, MetricLogger, load_tokenizer, plot_curves,  # noqa: E402
                     response_loss)
-from trainer import Trainer, setup_parallel  # noqa: E402
+from trainer import Trainer, launch  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt")
@@ -120,12 +119,7 @@ def evaluate(model, pairs: List[Example], batch_size: int, groups) -> float:
 
 def main(argv=None) -> Dict:
     """Run SFT; returns {"losses": {step: loss}, "eval": {...}, "model", "out", ...}."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    groups, expert_dp = setup_parallel(args.tp, args.ep)
-    with tk.use(args.mode):
-        return _train(args, groups, expert_dp)
+    return launch(parse_args(argv), _train)
 
 
 def _train(args, groups, expert_dp) -> Dict:

@@ -53,7 +53,7 @@ from checkpointing import CheckpointManager, rng_state  # noqa: E402
 from common import (DTYPES, ByteTokenizer, MetricLogger, parse_overrides, plot_curves,  # noqa: E402
                     response_loss)
 from trainer import (GradSync, MasterWeights, build_model, build_optimizer,  # noqa: E402
-                     setup_parallel)
+                     launch)
 
 TASKS = ("copy", "reverse", "add")
 
@@ -221,12 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict:
     """Run GRPO; returns {"rows": [per-step metrics], "model", "out", ...}."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    groups, expert_dp = setup_parallel(args.tp, args.ep)
-    with tk.use(args.mode):
-        return _run(args, groups, expert_dp)
+    return launch(parse_args(argv), _run)
 
 
 def _run(args, groups, expert_dp) -> Dict:

@@ -39,14 +39,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tonp_kernels as tk  # noqa: E402
 import tonp_parallel as tpar  # noqa: E402
 from tonp_models import Qwen3MoeConfig  # noqa: E402
 
 import make_corpus  # noqa: E402
 from common import (DTYPES, ByteTokenizer, MetricLogger, WindowSampler,  # noqa: E402
                     check_vocab, load_tokens, parse_overrides, plot_curves, window_rows)
-from trainer import Trainer, build_model, setup_parallel  # noqa: E402
+from trainer import Trainer, build_model, launch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,12 +138,7 @@ def export_hf(model, path: str, groups) -> Optional[str]:
 
 def main(argv=None) -> Dict:
     """Run pretraining; returns {"losses": {step: loss}, "eval": {step: loss}, "model", "out", ...}."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    groups, expert_dp = setup_parallel(args.tp, args.ep)
-    with tk.use(args.mode):
-        return _train(args, groups, expert_dp)
+    return launch(parse_args(argv), _train)
 
 
 def _train(args, groups, expert_dp) -> Dict:

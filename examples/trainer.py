@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+import tonp_kernels as tk
 import tonp_parallel as tpar
 from tonp_models import Qwen3MoeForCausalLM
 
@@ -250,3 +251,13 @@ class Trainer:
         set_rng_state(s["rng"])
         s["path"] = path
         return s["meta"]["step"], s
+
+
+def launch(args, body):
+    """The scripts' shared entry: thread count, process groups (torchrun or one process) and the
+    kernel mode, then body(args, groups, expert_dp_group)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    groups, expert_dp = setup_parallel(args.tp, args.ep)
+    with tk.use(args.mode):
+        return body(args, groups, expert_dp)
