@@ -1,11 +1,12 @@
-"""Fake (meta) and autograd registrations for torch.ops.tonp.* (imported once the extension
-is loaded): forward = the invariant kernel, backward = autograd of `reference` (standard torch math
-in fp32; gradients need to be correct, not invariant)."""
+"""Fake (meta) registrations for torch.ops.tonp.*, and the Python autograd of attention_varlen
+(imported once the extension is loaded). The other differentiable ops have C++ autograd
+(csrc/autograd.cpp). Forward = the invariant kernel; backward = standard torch math in fp32
+(gradients need to be correct, not invariant)."""
 from __future__ import annotations
 
 import torch
 
-from . import reference, stock
+from . import stock
 
 _lib = "tonp::"
 
@@ -70,27 +71,15 @@ def _(weights, expert_out):
     return expert_out.new_empty((expert_out.shape[0], expert_out.shape[2]))
 
 
+@torch.library.register_fake(_lib + "moe_experts")
+def _(x, expert_ids, gate_up, down, first_expert, chunks):
+    return x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1]))
+
+
 # --- autograd -----------------------------------------------------------------------------
-def _linear_setup(ctx, inputs, output):
-    x, weight, bias, _, _ = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _linear_backward(ctx, grad):
-    # fp32 GEMMs (MKL) even for bf16 tensors: stock bf16 GEMM on these CPUs is ~400x slower.
-    x, weight = ctx.saved_tensors
-    g = grad.float()
-    gx = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-    gw = (g.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-    gb = g.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] \
-        else None
-    return gx, gw, gb, None, None
-
-
-torch.library.register_autograd(_lib + "linear", _linear_backward, setup_context=_linear_setup)
-
-
+# linear, rms_norm, silu_mul, moe_route, moe_combine and moe_experts have C++ autograd kernels
+# (csrc/autograd.cpp): they run many times per layer, and a Python autograd wrapper costs more
+# than a small kernel. attention_varlen, once per layer, keeps a Python backward here.
 def _register_reference_grad(name, ref_fn, n_tensors):
     """Backward = autograd of `ref_fn` recomputed on the saved inputs (first n_tensors args)."""
 
@@ -115,8 +104,6 @@ def _register_reference_grad(name, ref_fn, n_tensors):
     torch.library.register_autograd(_lib + name, backward, setup_context=setup)
 
 
-_register_reference_grad("rms_norm", reference.rms_norm, 2)
-_register_reference_grad("silu_mul", reference.silu_mul, 2)
 def _attention_grad_math(q, k, v, cu_seqlens, scale, block):
     """The backward's forward: per-sequence causal SDPA in fp32 (torch's fused math backward is
     several times faster than differentiating reference.attention_varlen's dense einsums)."""
@@ -125,27 +112,3 @@ def _attention_grad_math(q, k, v, cu_seqlens, scale, block):
 
 
 _register_reference_grad("attention_varlen", _attention_grad_math, 4)
-_register_reference_grad("moe_combine", reference.moe_combine, 2)
-
-
-def _moe_route_setup(ctx, inputs, output):
-    logits, top_k, normalize = inputs
-    ids, _ = output
-    ctx.save_for_backward(logits, ids)
-    ctx.normalize = normalize
-
-
-def _moe_route_backward(ctx, grad_ids, grad_w):
-    # The ids are a discrete choice; the weights are softmax(logits)[ids] (renormalised).
-    logits, ids = ctx.saved_tensors
-    with torch.enable_grad():
-        lg = logits.detach().float().requires_grad_(True)
-        w = torch.softmax(lg, -1).gather(-1, ids)
-        if ctx.normalize:
-            w = w / w.sum(-1, keepdim=True)
-        (g,) = torch.autograd.grad(w, lg, grad_w)
-    return g.to(logits.dtype), None, None
-
-
-torch.library.register_autograd(_lib + "moe_route", _moe_route_backward,
-                                setup_context=_moe_route_setup)

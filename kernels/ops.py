@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _mode, stock
-from ._library import require_built
+from ._library import C, require_built
 
 DEFAULT_CHUNKS = 8
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -22,6 +22,24 @@ _FLOATS = (torch.float32, torch.bfloat16)
 
 def _invariant() -> bool:
     return _mode.get_mode() == "invariant"
+
+
+def _op(name: str):
+    """The torch.ops.tonp overload, resolved once (or a stub that explains the missing build)."""
+    if C is None:
+        def missing(*args, **kwargs):
+            require_built()
+        return missing
+    return getattr(torch.ops.tonp, name).default
+
+
+def _check_cpu(name: str, *tensors: torch.Tensor) -> None:
+    # The C++ ops check shapes and dtypes (with ValueError / TypeError); only a tensor on
+    # another device would silently reach the fake (meta) implementation instead.
+    for t in tensors:
+        if not t.is_cpu:
+            raise RuntimeError(f"tonp.{name}: the invariant kernels run on CPU tensors; got a "
+                               f"tensor on {t.device} (use tonp_kernels.use('torch') elsewhere)")
 
 
 def _check_float(name: str, *tensors: torch.Tensor) -> None:
@@ -62,17 +80,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Invariant mode: K is cut into `chunks` equal chunks, each a sequential fp32 FMA chain over k,
     combined by the fixed pairwise tree; one rounding at the output.
     """
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.linear(x, weight, bias, out_dtype)
-    _check_float("linear", x, weight)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"tonp.linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do "
-                         f"not match: expected x [..., K] and weight [N, K]")
-    _check_chunks("linear", weight.shape[1], chunks)
-    lead = x.shape[:-1]
-    y = _call(torch.ops.tonp.linear, x.reshape(-1, x.shape[-1]), weight, bias, chunks,
-              out_dtype)
-    return y.reshape(*lead, weight.shape[0])
+    _check_cpu("linear", x, weight)
+    if x.dim() == 2:  # the decode / training shape: no reshapes (each costs ~3 us)
+        return _LINEAR(x, weight, bias, chunks, out_dtype)
+    y = _LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, chunks, out_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, *, chunks: int) -> torch.Tensor:
@@ -101,25 +115,20 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] -> weight * (x * rsqrt(mean(x^2) + eps)) in x.dtype (HF rounding)."""
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.rms_norm(x, weight, eps)
-    _check_float("rms_norm", x, weight)
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"tonp.rms_norm: weight {tuple(weight.shape)} does not match x "
-                         f"{tuple(x.shape)} (expected [{x.shape[-1]}])")
-    y = _call(torch.ops.tonp.rms_norm, x.reshape(-1, x.shape[-1]), weight, float(eps))
-    return y.reshape(x.shape)
+    _check_cpu("rms_norm", x, weight)
+    if x.dim() == 2:
+        return _RMS_NORM(x, weight, eps)
+    return _RMS_NORM(x.reshape(-1, x.shape[-1]), weight, eps).reshape(x.shape)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise, with tonp's one exp (torch's vector and scalar tails differ)."""
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.silu_mul(gate, up)
-    _check_float("silu_mul", gate, up)
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"tonp.silu_mul: gate {tuple(gate.shape)}/{gate.dtype} and up "
-                         f"{tuple(up.shape)}/{up.dtype} must match")
-    return _call(torch.ops.tonp.silu_mul, gate, up)
+    _check_cpu("silu_mul", gate, up)
+    return _SILU_MUL(gate, up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,28 +327,46 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool):
     by a sum in slot order. router_logits [M, E] -> (ids int64 [M, k], weights fp32 [M, k])."""
     if not 1 <= top_k <= router_logits.shape[-1]:
         raise ValueError(f"tonp.moe_route: top_k={top_k} must be in [1, {router_logits.shape[-1]}]")
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.moe_route(router_logits, top_k, normalize)
-    _check_float("moe_route", router_logits)
-    return _call(torch.ops.tonp.moe_route, router_logits.reshape(-1, router_logits.shape[-1]),
-                 top_k, bool(normalize))
+    _check_cpu("moe_route", router_logits)
+    if router_logits.dim() != 2:
+        router_logits = router_logits.reshape(-1, router_logits.shape[-1])
+    return _MOE_ROUTE(router_logits, top_k, bool(normalize))
 
 
 def moe_combine(weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
     """Token-owned combine: sum_k w_k * y_k in slot order, fp32 FMA chain.
     weights [M, K] fp32, expert_out [M, K, H] -> [M, H] in expert_out.dtype."""
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.moe_combine(weights, expert_out)
-    _check_float("moe_combine", expert_out)
-    if weights.shape != expert_out.shape[:2]:
-        raise ValueError(f"tonp.moe_combine: weights {tuple(weights.shape)} vs expert_out "
-                         f"{tuple(expert_out.shape)}")
-    return _call(torch.ops.tonp.moe_combine, weights.float(), expert_out)
+    _check_cpu("moe_combine", weights, expert_out)
+    return _MOE_COMBINE(weights.float(), expert_out)
 
+
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, *, first_expert: int = 0,
+                chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+    """Every (token, slot) through its SwiGLU expert, all experts in one call.
+
+    x [M, H]; expert_ids int64 [M, K] (global ids, all in [first_expert, first_expert + E));
+    gate_up [E, 2I, H] (gate rows first); down [E, H, I] -> y [M, K, H] in x.dtype with
+    y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = expert_ids[m, k] - first_expert.
+    Invariant mode: bit for bit what `linear`, `silu_mul` and `linear` give for that row alone,
+    so a row's output never depends on how many rows its expert received.
+    """
+    if _mode._mode != "invariant":
+        return stock.moe_experts(x, expert_ids, gate_up, down, first_expert)
+    _check_cpu("moe_experts", x, gate_up, down)
+    return _MOE_EXPERTS(x, expert_ids, gate_up, down, int(first_expert), chunks)
+
+
+_LINEAR, _RMS_NORM, _SILU_MUL = _op("linear"), _op("rms_norm"), _op("silu_mul")
+_MOE_ROUTE, _MOE_COMBINE, _MOE_EXPERTS = _op("moe_route"), _op("moe_combine"), _op("moe_experts")
 
 __all__ = [
     "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm", "silu_mul",
     "attention_varlen", "attention_paged", "logsumexp", "lse_partial", "lse_finish",
     "log_softmax", "token_logprobs", "target_logit", "argmax", "max_with_index", "sample",
-    "moe_route", "moe_combine",
+    "moe_route", "moe_combine", "moe_experts",
 ]

@@ -102,3 +102,16 @@ def moe_route(router_logits, top_k, normalize):
 def moe_combine(weights, expert_out):
     """weights [M, K] fp32, expert_out [M, K, H] -> sum_k w_k * y_k in expert_out.dtype."""
     return (_up(weights).unsqueeze(-1) * _up(expert_out)).sum(1).to(expert_out.dtype)
+
+
+def moe_experts(x, expert_ids, gate_up, down, first_expert=0):
+    """y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = expert_ids[m, k] - first_expert,
+    rounded to x.dtype after each of the three steps (as three separate ops would)."""
+    I = down.shape[2]
+    y = torch.zeros(*expert_ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
+    for e in range(gate_up.shape[0]):
+        m, k = (expert_ids == e + first_expert).nonzero(as_tuple=True)
+        if m.numel():
+            gu = linear(x[m], gate_up[e])
+            y[m, k] = linear(silu_mul(gu[:, :I], gu[:, I:]), down[e])
+    return y

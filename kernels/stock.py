@@ -78,3 +78,24 @@ def moe_route(router_logits, top_k, normalize):
 
 def moe_combine(weights, expert_out):
     return (weights.to(expert_out.dtype).unsqueeze(-1) * expert_out).sum(1)
+
+
+def moe_experts(x, expert_ids, gate_up, down, first_expert=0):
+    """Per expert: F.linear -> silu * up -> F.linear on the rows routed to it (as transformers)."""
+    M, K = expert_ids.shape
+    I = down.shape[2]
+    flat = expert_ids.reshape(-1) - first_expert
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    outs, start = [], 0
+    for e, (w_gu, w_dn) in enumerate(zip(gate_up.unbind(0), down.unbind(0))):
+        n = counts[e]
+        if n:
+            gu = F.linear(x.index_select(0, order[start:start + n] // K), w_gu)
+            outs.append(F.linear(F.silu(gu[:, :I]) * gu[:, I:], w_dn))
+            start += n
+    if not outs:  # no rows: keep the graph connected to x
+        return x.unsqueeze(1).expand(M, K, x.shape[1])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return torch.cat(outs, 0).index_select(0, inverse).view(M, K, x.shape[1])

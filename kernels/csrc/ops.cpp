@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -28,7 +29,7 @@ Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "tonp.", op, ": ", what, " must be a CPU tensor, got ", t.device());
   if (t.scalar_type() == at::kFloat) return Elem::F32;
   if (t.scalar_type() == at::kBFloat16) return Elem::BF16;
-  TORCH_CHECK(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
 // Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
@@ -40,8 +41,9 @@ int64_t grain_for(int64_t cost_per_task) {
 }
 
 void check_chunks(int64_t K, int64_t chunks, const char* op) {
-  TORCH_CHECK(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
-  TORCH_CHECK(K % chunks == 0, "tonp.", op, ": the reduction size ", K, " is not divisible by chunks=", chunks);
+  TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
+  TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
+                    " (the chunk tree needs C | K)");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -49,19 +51,18 @@ void check_chunks(int64_t K, int64_t chunks, const char* op) {
 // ---------------------------------------------------------------------------------------------
 at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t chunks, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(x_.dim() == 2 && w.dim() == 2, "tonp.linear: expected x [M, K] and weight [N, K], got ",
-              x_.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x_.size(1) == w.size(1), "tonp.linear: x has K=", x_.size(1), " but weight has K=", w.size(1));
+  TORCH_CHECK_VALUE(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "tonp.linear: x ", x_.sizes(), " and weight ",
+                    w.sizes(), " do not match: expected x [M, K] and weight [N, K]");
   elem_of(x_, "linear", "x");
   const Elem welem = elem_of(w, "linear", "weight");
   const at::ScalarType odt = out_dtype.value_or(x_.scalar_type());
   const Elem oelem = elem_of(at::empty({0}, x_.options().dtype(odt)), "linear", "out_dtype");
   const int64_t M = x_.size(0), Kd = x_.size(1), N = w.size(0);
   check_chunks(Kd, chunks, "linear");
-  TORCH_CHECK(chunks <= kMaxChunks, "tonp.linear: at most ", kMaxChunks, " reduction chunks, got ", chunks);
+  TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.linear: at most ", kMaxChunks, " reduction chunks, got ", chunks);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "tonp.linear: bias must be [", N, "], got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "tonp.linear: bias must be [", N, "], got ", bias->sizes());
     elem_of(*bias, "linear", "bias");
     bias_f = bias->to(at::kFloat).contiguous();
   }
@@ -98,8 +99,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
-  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 1 && w_.size(0) == x_.size(1), "tonp.rms_norm: expected x [M, H] and weight [H], got ",
-              x_.sizes(), " and ", w_.sizes());
+  TORCH_CHECK_VALUE(x_.dim() == 2 && w_.dim() == 1 && w_.size(0) == x_.size(1), "tonp.rms_norm: weight ", w_.sizes(),
+                    " does not match x ", x_.sizes(), " (expected x [M, H] and weight [H])");
   const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty_like(x);
@@ -115,8 +116,8 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
 }
 
 at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
-  TORCH_CHECK(g_.sizes() == u_.sizes() && g_.scalar_type() == u_.scalar_type(), "tonp.silu_mul: gate and up must match, got ",
-              g_.sizes(), " and ", u_.sizes());
+  TORCH_CHECK_VALUE(g_.sizes() == u_.sizes() && g_.scalar_type() == u_.scalar_type(), "tonp.silu_mul: gate ", g_.sizes(), "/",
+                    g_.scalar_type(), " and up ", u_.sizes(), "/", u_.scalar_type(), " must match");
   const Elem e = elem_of(g_, "silu_mul", "gate");
   const at::Tensor g = g_.contiguous(), u = u_.contiguous();
   at::Tensor out = at::empty_like(g);
@@ -373,11 +374,11 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k, bool normalize) {
-  TORCH_CHECK(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E]");
+  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E], got ", x_.sizes());
   elem_of(x_, "moe_route", "router_logits");
   const at::Tensor x = x_.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), E = x.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
   at::Tensor ids = at::empty({M, top_k}, x.options().dtype(at::kLong)), w = at::empty({M, top_k}, x.options());
   const Kernels* kern = K();
   at::parallel_for(0, M, grain_for(16 * E * top_k), [&](int64_t b, int64_t en) {
@@ -412,9 +413,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k
 }
 
 at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
-  TORCH_CHECK(y_.dim() == 3 && w_.dim() == 2 && w_.size(0) == y_.size(0) && w_.size(1) == y_.size(1),
+  TORCH_CHECK_VALUE(y_.dim() == 3 && w_.dim() == 2 && w_.size(0) == y_.size(0) && w_.size(1) == y_.size(1),
               "tonp.moe_combine: expected weights [M, K] and expert_out [M, K, H], got ", w_.sizes(), " and ", y_.sizes());
-  TORCH_CHECK(w_.scalar_type() == at::kFloat, "tonp.moe_combine: weights must be float32");
+  TORCH_CHECK_TYPE(w_.scalar_type() == at::kFloat, "tonp.moe_combine: weights must be float32");
   const Elem e = elem_of(y_, "moe_combine", "expert_out");
   const at::Tensor w = w_.contiguous(), y = y_.contiguous();
   const int64_t M = y.size(0), Kk = y.size(1), H = y.size(2), esz = e == Elem::F32 ? 4 : 2;
@@ -426,6 +427,109 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
     for (int64_t r = b; r < en; ++r) kern->moe_combine(w.data_ptr<float>() + r * Kk, yp + r * Kk * H * esz, op + r * H * esz, Kk, H, e);
   });
   return out;
+}
+
+// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
+// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
+// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
+// each row's bits are those of running its expert alone on it. Rows are grouped by expert
+// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
+// parallel regions per layer instead of two per expert.
+at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
+                       int64_t first_expert, int64_t chunks) {
+  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_experts: x must be [M, H], got ", x_.sizes());
+  TORCH_CHECK_VALUE(ids_.dim() == 2 && ids_.size(0) == x_.size(0), "tonp.moe_experts: expert ids must be [M, K] with M = ",
+                    x_.size(0), ", got ", ids_.sizes());
+  TORCH_CHECK_TYPE(ids_.scalar_type() == at::kLong, "tonp.moe_experts: expert ids must be int64, got ", ids_.scalar_type());
+  TORCH_CHECK_VALUE(gu_.dim() == 3 && dn_.dim() == 3 && gu_.size(0) == dn_.size(0) && gu_.size(2) == x_.size(1) &&
+                        gu_.size(1) % 2 == 0 && dn_.size(1) == x_.size(1) && 2 * dn_.size(2) == gu_.size(1),
+                    "tonp.moe_experts: expected gate_up [E, 2I, H] and down [E, H, I] with H = ", x_.size(1), ", got ",
+                    gu_.sizes(), " and ", dn_.sizes());
+  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
+  TORCH_CHECK_TYPE(dn_.scalar_type() == gu_.scalar_type(), "tonp.moe_experts: gate_up and down dtypes differ");
+  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
+  check_chunks(H, chunks, "moe_experts");
+  check_chunks(I, chunks, "moe_experts");
+  TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.moe_experts: at most ", kMaxChunks, " reduction chunks, got ", chunks);
+  at::Tensor y = at::empty({M, Kk, H}, x_.options());
+  if (R == 0 || H == 0) return y;
+  // Group the rows by expert, stable: counting sort.
+  const at::Tensor ids = ids_.contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0), order(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t e = idp[r] - first_expert;
+    TORCH_CHECK_INDEX(e >= 0 && e < E, "tonp.moe_experts: expert id ", idp[r], " is not one of this call's experts [",
+                      first_expert, ", ", first_expert + E, ")");
+    ++start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < R; ++r) order[fill[idp[r] - first_expert]++] = r;
+  }
+  // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows.
+  struct Blk { int64_t e, r0, rows; };
+  std::vector<Blk> blks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRowBlock) blks.push_back({e, r0, std::min<int64_t>(kRowBlock, start[e + 1] - r0)});
+  const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
+  const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor xg = at::empty({R, H}, f32), gub = at::empty({R, 2 * I}, x.options()), hf = at::empty({R, I}, f32);
+  at::Tensor ys = at::empty({R, H}, x.options());
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  float* xgp = xg.data_ptr<float>();
+  char* gup = static_cast<char*>(gub.data_ptr());
+  float* hfp = hf.data_ptr<float>();
+  char* ysp = static_cast<char*>(ys.data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const Kernels* kern = K();
+  // Gather the rows (exact widening to fp32, as linear does with its input).
+  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
+    for (int64_t j = b; j < en; ++j) {
+      const char* src = xp + (order[j] / Kk) * H * xsz;
+      float* dst = xgp + j * H;
+      if (xe == Elem::F32)
+        std::memcpy(dst, src, H * 4);
+      else
+        for (int64_t h = 0; h < H; ++h) dst[h] = c10::BFloat16(reinterpret_cast<const uint16_t*>(src)[h], c10::BFloat16::from_bits());
+    }
+  });
+  // One stage: for every block, rows x (weight[e] [N, Kd] -> out [rows, N] in x's dtype).
+  auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
+    const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
+    at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
+      std::vector<float> scratch(kRowBlock * kPanel + (we == Elem::BF16 ? kPanel * Kd : 0));
+      for (int64_t t = b; t < en; ++t) {
+        const Blk& k = blks[t / np];
+        const int64_t p = t % np;
+        const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
+        kern->linear_panel(in + k.r0 * Kd, Kd, k.rows, w + (k.e * N + p * kPanel) * Kd * wsz, Kd, we, Kd / chunks, int(chunks),
+                           nullptr, ncols, out + (k.r0 * N + p * kPanel) * xsz, N, xe, scratch.data());
+      }
+    });
+  };
+  stage(xgp, H, static_cast<const char*>(gu.data_ptr()), 2 * I, gup);
+  // silu(gate) * up in x's dtype, then widened to fp32 for the down projection.
+  at::parallel_for(0, R, grain_for(16 * I), [&](int64_t b, int64_t en) {
+    std::vector<uint16_t> hb(xe == Elem::BF16 ? I : 0);
+    for (int64_t j = b; j < en; ++j) {
+      const char* row = gup + j * 2 * I * xsz;
+      if (xe == Elem::F32) {
+        kern->silu_mul(row, row + I * 4, hfp + j * I, I, xe);
+      } else {
+        kern->silu_mul(row, row + I * 2, hb.data(), I, xe);
+        for (int64_t i = 0; i < I; ++i) hfp[j * I + i] = c10::BFloat16(hb[i], c10::BFloat16::from_bits());
+      }
+    }
+  });
+  stage(hfp, I, static_cast<const char*>(dn.data_ptr()), H, ysp);
+  // Back to (token, slot) order.
+  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
+    for (int64_t j = b; j < en; ++j) std::memcpy(yp + order[j] * H * xsz, ysp + j * H * xsz, H * xsz);
+  });
+  return y;
 }
 
 }  // namespace
@@ -442,6 +546,7 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("sample", &sample);
   m.impl("moe_route", &moe_route);
   m.impl("moe_combine", &moe_combine);
+  m.impl("moe_experts", &moe_experts);
 }
 
 }  // namespace tonp

@@ -235,6 +235,9 @@ class Capture:
             if name.endswith("post_attention_layernorm"):
                 self._handles.append(mod.register_forward_pre_hook(self._on_residual))
             if hasattr(mod, "_run_local_experts"):
+                # One call per expert, so gate_up / act / down are seen per (token, expert) row;
+                # the fused op gives the same bits (tests/test_kernels_misc.py).
+                self._patch(mod, "fused_experts", False)
                 self._patch(mod, "_run_local_experts", self._experts_wrapper(mod))
 
     def _install_proxies(self) -> None:

@@ -2,10 +2,14 @@
 
     logits = linear(x, router)            [M, E]   (the chunk-tree linear)
     ids, w = moe_route(logits, k, norm)   [M, K]   (fp32 softmax, stable top-k, renorm in slot order)
-    rows grouped by expert id (stable, so each expert sees its tokens in token order)
-    y_e    = down_e(silu(gate_e(x)) * up_e(x))     (the linear kernel: a row's bits do not depend
-                                                    on how many rows the expert got)
-    out    = moe_combine(w, y[M, K, H])            (sum over slots k = 0..K-1 in fp32)
+    y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, k]
+                                           (moe_experts: every expert in one call, the linear
+                                            kernel's bits: a row's output does not depend on
+                                            how many rows its expert got)
+    out    = moe_combine(w, y[M, K, H])    (sum over slots k = 0..K-1 in fp32)
+
+With `fused_experts = False` the experts run one `linear`/`silu_mul`/`linear` call at a time
+(`_run_local_experts`, the calls inspection tools hook): the same bits, more Python per step.
 
 Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
@@ -15,7 +19,7 @@ down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id rang
     this rank's share of the tokens (TP ranks hold the same tokens: each dispatches a part,
         so every expert sees each token once)           -> x, ids, w [n, K]
     (token, slot) rows sorted by expert id = by owner rank; all_to_all the rows (counts first)
-    the owner sorts what it received by expert id and runs its experts in ascending id
+    the owner runs the rows it received through their experts
     all_to_all the results back; unsort                 -> y [n, K, H]
     out = moe_combine(w, y)  token-owned, slot order, fp32; then the TP parts are gathered.
 A row's expert output depends only on the row and the expert's weights, and the combine runs
@@ -59,6 +63,7 @@ class SparseMoeBlock(nn.Module):
         self.local_experts = num_experts // ep_size
         self.first_expert = ep_rank * self.local_experts
         self.intermediate, self.chunks = moe_intermediate_size, chunks
+        self.fused_experts = True  # False: one kernel call per expert (same bits; for inspection)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))  # router
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * moe_intermediate_size,
                                                      hidden_size, dtype=dtype))
@@ -78,19 +83,23 @@ class SparseMoeBlock(nn.Module):
                              f"parallel degree {ep_size} must divide one another")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        M, K = x.shape[0], self.top_k
         logits = tk.linear(x, self.gate, chunks=self.chunks)                       # (M, E)
-        ids, weights = tk.moe_route(logits, K, self.norm_topk_prob)                # (M, K) x2
+        ids, weights = tk.moe_route(logits, self.top_k, self.norm_topk_prob)       # (M, K) x2
         if self.ep_size > 1:
             return self._forward_ep(x, ids, weights)
-        flat = ids.reshape(-1)                                                     # (M*K,)
-        order = torch.argsort(flat, stable=True)            # slots grouped by expert, token order
+        return tk.moe_combine(weights, self._experts(x, ids))                      # (M, H)
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [R, H], ids [R, J] (this rank's experts) -> y [R, J, H]: row (r, j) through expert
+        ids[r, j]."""
+        if self.fused_experts:
+            return tk.moe_experts(x, ids, self.gate_up_proj, self.down_proj,
+                                  first_expert=self.first_expert, chunks=self.chunks)
+        flat = ids.reshape(-1)                                                     # (R*J,)
+        order = torch.argsort(flat, stable=True)            # rows grouped by expert, row order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        y_sorted = self._run_local_experts(x, order // K, counts)                  # (M*K, H)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y_sorted.index_select(0, inverse).view(M, K, -1)                       # (M, K, H)
-        return tk.moe_combine(weights, y)
+        y_sorted = self._run_local_experts(x, order // ids.shape[1], counts)       # (R*J, H)
+        return y_sorted.index_select(0, _inverse(order)).view(*ids.shape, x.shape[1])
 
     def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                     ) -> torch.Tensor:
@@ -118,11 +127,7 @@ class SparseMoeBlock(nn.Module):
         rows = x.index_select(0, token)                                            # (n*K, H)
         got = all_to_all(rows, recv, send, self.ep_group)                          # (R, H)
         got_expert = all_to_all_rows(expert_sorted, recv, send, self.ep_group)     # (R,)
-        # Received rows arrive by source rank; run them grouped by expert, ascending id.
-        local_order = torch.argsort(got_expert, stable=True)
-        counts = torch.bincount(got_expert, minlength=self.num_experts).tolist()
-        y_sorted = self._run_local_experts(got, local_order, counts)               # (R, H)
-        y_got = y_sorted.index_select(0, _inverse(local_order))                    # (R, H)
+        y_got = self._experts(got, got_expert.unsqueeze(1)).squeeze(1)             # (R, H)
         y_rows = all_to_all(y_got, send, recv, self.ep_group)                      # (n*K, H)
         y = y_rows.index_select(0, _inverse(order)).view(n, K, x.shape[1])         # (n, K, H)
         out = tk.moe_combine(weights, y)                                           # (n, H)

@@ -1,0 +1,279 @@
+// Autograd for the tonp ops that run many times per layer (linear, rms_norm, silu_mul,
+// moe_route, moe_combine, moe_experts), in C++ so that a call costs a dispatcher hop rather
+// than torch.library's Python autograd wrapper (~16 us, most of a small decode step).
+//
+// Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
+// the op itself). Backward = standard torch math in fp32, cast to the input dtypes: gradients
+// need to be correct, not invariant (CONTRACT.md). attention_varlen keeps its Python autograd
+// (_register.py): it runs once per layer.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace tonp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using at::Tensor;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, std::optional<at::ScalarType>);
+using RmsSig = Tensor(const Tensor&, const Tensor&, double);
+using SiluSig = Tensor(const Tensor&, const Tensor&);
+using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
+using CombineSig = Tensor(const Tensor&, const Tensor&);
+using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+
+bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : ts)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+Tensor cast_like(const Tensor& g, const Tensor& like) { return g.to(like.scalar_type()); }
+
+// --- linear ----------------------------------------------------------------------------------
+struct LinearFn : torch::autograd::Function<LinearFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                        int64_t chunks, std::optional<at::ScalarType> out_dtype) {
+    static auto k = op<LinearSig>("tonp::linear");
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    if (bias.has_value() && bias->defined()) ctx->saved_data["bias_dtype"] = bias->scalar_type();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, w, bias, chunks, out_dtype);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // fp32 GEMMs (MKL) even for bf16 tensors: stock bf16 GEMM on these CPUs is ~400x slower.
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1];
+    const Tensor g = grads[0].to(at::kFloat);
+    Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0)) gx = cast_like(at::matmul(g, w.to(at::kFloat)), x);
+    if (ctx->needs_input_grad(1)) gw = cast_like(at::matmul(g.t(), x.to(at::kFloat)), w);
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    if (has_bias && ctx->needs_input_grad(2)) gb = g.sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
+    return {gx, gw, gb, Tensor(), Tensor()};
+  }
+};
+
+Tensor linear_ad(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t chunks,
+                 std::optional<at::ScalarType> out_dtype) {
+  const Tensor none;
+  if (!any_requires_grad({&x, &w, bias.has_value() ? &*bias : &none})) {
+    static auto k = op<LinearSig>("tonp::linear");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, w, bias, chunks, out_dtype);
+  }
+  return LinearFn::apply(x, w, bias, chunks, out_dtype);
+}
+
+// --- rms_norm: y = w * round(x * r), r = rsqrt(mean(x^2) + eps) -------------------------------
+struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps) {
+    static auto k = op<RmsSig>("tonp::rms_norm");
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["eps"] = eps;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, w, eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const Tensor xf = x.to(at::kFloat), g = grads[0].to(at::kFloat);
+    const Tensor r = at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+    const Tensor xhat = xf * r;
+    Tensor gx, gw;
+    if (ctx->needs_input_grad(1)) gw = cast_like((g * xhat).reshape({-1, x.size(-1)}).sum(0), w);
+    if (ctx->needs_input_grad(0)) {
+      const Tensor gh = g * w.to(at::kFloat);
+      gx = cast_like(r * (gh - xhat * (gh * xhat).mean(-1, true)), x);
+    }
+    return {gx, gw, Tensor()};
+  }
+};
+
+Tensor rms_norm_ad(const Tensor& x, const Tensor& w, double eps) {
+  if (!any_requires_grad({&x, &w})) {
+    static auto k = op<RmsSig>("tonp::rms_norm");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, w, eps);
+  }
+  return RmsNormFn::apply(x, w, eps);
+}
+
+// --- silu_mul: silu(g) * u --------------------------------------------------------------------
+std::pair<Tensor, Tensor> silu_mul_grads(const Tensor& gate, const Tensor& up, const Tensor& grad) {
+  const Tensor g = gate.to(at::kFloat), u = up.to(at::kFloat), d = grad.to(at::kFloat);
+  const Tensor s = at::sigmoid(g);
+  const Tensor dg = d * u * (s * (1 + g * (1 - s)));
+  const Tensor du = d * (g * s);
+  return {dg, du};
+}
+
+struct SiluMulFn : torch::autograd::Function<SiluMulFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+    static auto k = op<SiluSig>("tonp::silu_mul");
+    ctx->save_for_backward({gate, up});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(gate, up);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dg, du] = silu_mul_grads(saved[0], saved[1], grads[0]);
+    return {cast_like(dg, saved[0]), cast_like(du, saved[1])};
+  }
+};
+
+Tensor silu_mul_ad(const Tensor& gate, const Tensor& up) {
+  if (!any_requires_grad({&gate, &up})) {
+    static auto k = op<SiluSig>("tonp::silu_mul");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(gate, up);
+  }
+  return SiluMulFn::apply(gate, up);
+}
+
+// --- moe_route: the weights are softmax(logits)[ids] (renormalised); the ids are a choice ------
+struct MoeRouteFn : torch::autograd::Function<MoeRouteFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, int64_t top_k, bool normalize) {
+    static auto k = op<RouteSig>("tonp::moe_route");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [ids, w] = k.call(logits, top_k, normalize);
+    ctx->save_for_backward({logits, ids, w});
+    ctx->saved_data["normalize"] = normalize;
+    ctx->mark_non_differentiable({ids});
+    return {ids, w};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &logits = saved[0], &ids = saved[1], &w = saved[2];
+    const Tensor gw = grads[1].to(at::kFloat);
+    const Tensor p = at::softmax(logits.to(at::kFloat), -1);
+    Tensor dpk = gw;
+    if (ctx->saved_data["normalize"].toBool()) {  // w = pk / S: d pk_j = (gw_j - sum_i gw_i w_i) / S
+      const Tensor S = p.gather(-1, ids).sum(-1, true);
+      dpk = (gw - (gw * w).sum(-1, true)) / S;
+    }
+    const Tensor dp = at::zeros_like(p).scatter_(-1, ids, dpk);
+    const Tensor dl = p * (dp - (dp * p).sum(-1, true));
+    return {cast_like(dl, logits), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> moe_route_ad(const Tensor& logits, int64_t top_k, bool normalize) {
+  if (!any_requires_grad({&logits})) {
+    static auto k = op<RouteSig>("tonp::moe_route");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(logits, top_k, normalize);
+  }
+  auto out = MoeRouteFn::apply(logits, top_k, normalize);
+  return {out[0], out[1]};
+}
+
+// --- moe_combine: out = sum_k w_k y_k ---------------------------------------------------------
+struct MoeCombineFn : torch::autograd::Function<MoeCombineFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& w, const Tensor& y) {
+    static auto k = op<CombineSig>("tonp::moe_combine");
+    ctx->save_for_backward({w, y});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(w, y);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &w = saved[0], &y = saved[1];
+    const Tensor g = grads[0].to(at::kFloat).unsqueeze(1);  // [M, 1, H]
+    Tensor gw, gy;
+    if (ctx->needs_input_grad(0)) gw = cast_like((g * y.to(at::kFloat)).sum(-1), w);
+    if (ctx->needs_input_grad(1)) gy = cast_like(w.to(at::kFloat).unsqueeze(-1) * g, y);
+    return {gw, gy};
+  }
+};
+
+Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
+  if (!any_requires_grad({&w, &y})) {
+    static auto k = op<CombineSig>("tonp::moe_combine");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(w, y);
+  }
+  return MoeCombineFn::apply(w, y);
+}
+
+// --- moe_experts: y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, k] -------------
+struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& ids, const Tensor& gate_up,
+                        const Tensor& down, int64_t first_expert, int64_t chunks) {
+    static auto k = op<ExpertsSig>("tonp::moe_experts");
+    ctx->save_for_backward({x, ids, gate_up, down});
+    ctx->saved_data["first"] = first_expert;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, ids, gate_up, down, first_expert, chunks);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // Per expert, in fp32: recompute gate_up (one GEMM) rather than keep [rows, 2I] alive.
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &ids = saved[1], &gate_up = saved[2], &down = saved[3];
+    const int64_t first = ctx->saved_data["first"].toInt();
+    const int64_t Kk = ids.size(1), H = x.size(1), E = gate_up.size(0), I = down.size(2);
+    const bool want_x = ctx->needs_input_grad(0), want_gu = ctx->needs_input_grad(2), want_dn = ctx->needs_input_grad(3);
+    const Tensor xf = x.to(at::kFloat), gy = grads[0].to(at::kFloat).reshape({-1, H});
+    const Tensor flat = ids.reshape({-1}) - first;
+    const Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
+    const std::vector<int64_t> counts = [&] {
+      const Tensor c = at::bincount(flat, {}, E);
+      return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
+    }();
+    Tensor gx = want_x ? at::zeros_like(xf) : Tensor();
+    Tensor ggu = want_gu ? at::zeros(gate_up.sizes(), xf.options()) : Tensor();
+    Tensor gdn = want_dn ? at::zeros(down.sizes(), xf.options()) : Tensor();
+    int64_t s = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      const Tensor rows = order.slice(0, s, s + n), tok = rows.div(Kk, "floor");
+      s += n;
+      const Tensor xe = xf.index_select(0, tok), ge = gy.index_select(0, rows);
+      const Tensor wgu = gate_up[e].to(at::kFloat), wdn = down[e].to(at::kFloat);
+      const Tensor gu = at::matmul(xe, wgu.t());
+      const Tensor g = gu.slice(1, 0, I), u = gu.slice(1, I, 2 * I);
+      const Tensor h = at::silu(g) * u;
+      if (want_dn) gdn[e].copy_(at::matmul(ge.t(), h));
+      auto [dg, du] = silu_mul_grads(g, u, at::matmul(ge, wdn));
+      const Tensor dgu = at::cat({dg, du}, 1);
+      if (want_gu) ggu[e].copy_(at::matmul(dgu.t(), xe));
+      if (want_x) gx.index_add_(0, tok, at::matmul(dgu, wgu));
+    }
+    return {want_x ? cast_like(gx, x) : Tensor(), Tensor(), want_gu ? cast_like(ggu, gate_up) : Tensor(),
+            want_dn ? cast_like(gdn, down) : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up, const Tensor& down, int64_t first_expert,
+                      int64_t chunks) {
+  if (!any_requires_grad({&x, &gate_up, &down})) {
+    static auto k = op<ExpertsSig>("tonp::moe_experts");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, ids, gate_up, down, first_expert, chunks);
+  }
+  return MoeExpertsFn::apply(x, ids, gate_up, down, first_expert, chunks);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
+  m.impl("linear", &linear_ad);
+  m.impl("rms_norm", &rms_norm_ad);
+  m.impl("silu_mul", &silu_mul_ad);
+  m.impl("moe_route", &moe_route_ad);
+  m.impl("moe_combine", &moe_combine_ad);
+  m.impl("moe_experts", &moe_experts_ad);
+}
+
+}  // namespace tonp
