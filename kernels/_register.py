@@ -76,9 +76,14 @@ def _(x, expert_ids, gate_up, down, first_expert, chunks):
     return x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1]))
 
 
+@torch.library.register_fake(_lib + "rope")
+def _(x, cos, sin, positions):
+    return torch.empty_like(x)
+
+
 # --- autograd -----------------------------------------------------------------------------
-# linear, rms_norm, silu_mul, moe_route, moe_combine and moe_experts have C++ autograd kernels
-# (csrc/autograd.cpp): they run many times per layer, and a Python autograd wrapper costs more
+# linear, rms_norm, silu_mul, rope, moe_route, moe_combine and moe_experts have C++ autograd
+# kernels (csrc/autograd.cpp): they run many times per layer, and a Python autograd wrapper costs more
 # than a small kernel. attention_varlen, once per layer, keeps a Python backward here.
 def _register_reference_grad(name, ref_fn, n_tensors):
     """Backward = autograd of `ref_fn` recomputed on the saved inputs (first n_tensors args)."""

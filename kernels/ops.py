@@ -176,24 +176,24 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sees cached positions 0..q_pos[i] (its own K/V must already be written). A query at position t
     gets the same bits as row t of `attention_varlen` over the whole sequence with block=B.
     """
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale)
-    _check_attention("attention_paged", q, k_cache, v_cache)
-    if k_cache.dim() != 4:
-        raise ValueError("tonp.attention_paged: caches must be [pages, block, kv_heads, head_dim]")
-    n = q.shape[0]
-    if q_seq.shape != (n,) or q_pos.shape != (n,):
-        raise ValueError(f"tonp.attention_paged: q_seq/q_pos must be [{n}]")
-    pt = page_table.to(torch.int32)
-    qs, qp = q_seq.to(torch.int32), q_pos.to(torch.int32)
-    if n:
-        need = int(qp.max()) // k_cache.shape[1] + 1
-        if int(qp.min()) < 0 or need > pt.shape[1]:
-            raise IndexError(f"tonp.attention_paged: position {int(qp.max())} needs {need} pages "
-                             f"but the page table holds {pt.shape[1]} (cache capacity exceeded)")
-        if int(qs.min()) < 0 or int(qs.max()) >= pt.shape[0]:
-            raise IndexError("tonp.attention_paged: q_seq out of the page table's range")
-    return torch.ops.tonp.attention_paged(q, k_cache, v_cache, pt, qs, qp, float(scale))
+    _check_cpu("attention_paged", q, k_cache, v_cache)  # the C++ op checks the rest
+    return _ATTENTION_PAGED(q, k_cache, v_cache, page_table, q_seq, q_pos, float(scale))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos[p] + rotate_half(x) * sin[p] for each row's position p.
+
+    x [T, heads, D]; cos/sin fp32 tables [max_positions, D]; positions int [T] -> x.dtype.
+    The table rows are rounded to x.dtype, then each product and the sum, exactly as the same
+    expression in torch ops rounds (elementwise: a row's bits depend only on the row and p).
+    """
+    if _mode._mode != "invariant":
+        return stock.rope(x, cos, sin, positions)
+    _check_cpu("rope", x, cos, sin)
+    return _ROPE(x, cos, sin, positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,10 +363,11 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
 
 _LINEAR, _RMS_NORM, _SILU_MUL = _op("linear"), _op("rms_norm"), _op("silu_mul")
 _MOE_ROUTE, _MOE_COMBINE, _MOE_EXPERTS = _op("moe_route"), _op("moe_combine"), _op("moe_experts")
+_ATTENTION_PAGED, _ROPE = _op("attention_paged"), _op("rope")
 
 __all__ = [
     "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm", "silu_mul",
-    "attention_varlen", "attention_paged", "logsumexp", "lse_partial", "lse_finish",
+    "attention_varlen", "attention_paged", "rope", "logsumexp", "lse_partial", "lse_finish",
     "log_softmax", "token_logprobs", "target_logit", "argmax", "max_with_index", "sample",
     "moe_route", "moe_combine", "moe_experts",
 ]

@@ -73,6 +73,14 @@ def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
     return torch.cat(outs, 0).to(q.dtype)
 
 
+def rope(x, cos, sin, positions):
+    """Rotate-half RoPE in x's dtype (the table rows rounded to it first, as transformers does)."""
+    c = cos.index_select(0, positions.long()).to(x.dtype)[:, None, :]
+    s = sin.index_select(0, positions.long()).to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+
 def log_softmax(logits, temperature=1.0):
     return torch.log_softmax(_up(logits) / temperature, dim=-1)
 

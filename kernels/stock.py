@@ -52,6 +52,14 @@ def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
     return out
 
 
+def rope(x, cos, sin, positions):
+    """x [T, heads, D] rotated at its rows' positions (transformers' apply_rotary_pos_emb)."""
+    c = cos.index_select(0, positions).to(x.dtype)[:, None, :]
+    s = sin.index_select(0, positions).to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+
 def log_softmax(logits, temperature=1.0):
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 

@@ -238,6 +238,45 @@ def test_rope_and_residual_adds_are_row_invariant(D, dtype, gen):
     check_thread_invariance(rope_on_the_fly, *make(300), what="rope")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_op_equals_the_torch_expression(dtype, gen):
+    """tk.rope (the model's RoPE) gives the bits of the same expression in torch ops, for any
+    batch; its gradient matches the reference's autograd; bad input fails clearly."""
+    D = 128
+    table_cos, table_sin = _rope_tables(torch.arange(512), D)
+
+    def torch_rope(x, pos):
+        cos, sin = (t[pos].to(x.dtype)[:, None, :] for t in (table_cos, table_sin))
+        return x * cos + _rotate_half(x) * sin
+
+    def make(n):
+        return [randn(n, 5, D, dtype=dtype, gen=gen, scale=3.0),
+                torch.randint(0, 512, (n,), generator=gen)]
+
+    op = lambda x, p: tk.rope(x, table_cos, table_sin, p)  # noqa: E731
+    for M in (1, 7, 130):
+        x, pos = make(M)
+        assert_bitwise(op(x, pos), torch_rope(x, pos), f"rope M={M}")
+        check_row_invariance(op, make, M)
+    x, pos = make(33)
+    check_thread_invariance(op, x, pos, what="rope")
+    assert_bitwise(op(x.transpose(0, 1).contiguous().transpose(0, 1), pos), op(x, pos),
+                   "non-contiguous x")
+    g = randn(*x.shape, dtype=dtype, gen=gen)
+    grads = []
+    for fn in (tk.rope, reference.rope):
+        xi = x.clone().requires_grad_(True)
+        fn(xi, table_cos, table_sin, pos).backward(g)
+        grads.append(xi.grad)
+    assert_close(grads[0], grads[1], dtype=dtype, scale=3.0, what="rope dx")
+    with pytest.raises(IndexError, match="outside the table"):
+        op(x, pos + 512)
+    with pytest.raises(ValueError, match="tables"):
+        tk.rope(x, table_cos[:, :64], table_sin[:, :64], pos)
+    with pytest.raises(ValueError, match="positions"):
+        op(x, pos[:3])
+
+
 # --- the mode switch ----------------------------------------------------------------------------
 def test_mode_switch(gen):
     assert tk.get_mode() == "invariant"

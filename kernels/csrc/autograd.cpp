@@ -1,5 +1,5 @@
 // Autograd for the tonp ops that run many times per layer (linear, rms_norm, silu_mul,
-// moe_route, moe_combine, moe_experts), in C++ so that a call costs a dispatcher hop rather
+// moe_route, moe_combine, moe_experts, rope), in C++ so that a call costs a dispatcher hop rather
 // than torch.library's Python autograd wrapper (~16 us, most of a small decode step).
 //
 // Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
@@ -28,6 +28,7 @@ using SiluSig = Tensor(const Tensor&, const Tensor&);
 using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const Tensor&);
 using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using RopeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 
 bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
@@ -265,6 +266,36 @@ Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up,
   return MoeExpertsFn::apply(x, ids, gate_up, down, first_expert, chunks);
 }
 
+// --- rope: out = x * c + R(x) * s, R(x) = cat(-x2, x1); so dx = g * c + R^T(g * s), R^T(y) = cat(y2, -y1)
+struct RopeFn : torch::autograd::Function<RopeFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
+    static auto k = op<RopeSig>("tonp::rope");
+    ctx->save_for_backward({cos, sin, pos});
+    ctx->saved_data["dtype"] = x.scalar_type();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, cos, sin, pos);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto dt = ctx->saved_data["dtype"].toScalarType();
+    const Tensor c = saved[0].index_select(0, saved[2]).to(dt).to(at::kFloat).unsqueeze(1);  // [T, 1, D]
+    const Tensor s = saved[1].index_select(0, saved[2]).to(dt).to(at::kFloat).unsqueeze(1);
+    const Tensor g = grads[0].to(at::kFloat), gs = g * s;
+    const int64_t half = g.size(-1) / 2;
+    const Tensor rt = at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1);
+    return {(g * c + rt).to(dt), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor rope_ad(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
+  if (!any_requires_grad({&x})) {
+    static auto k = op<RopeSig>("tonp::rope");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return k.call(x, cos, sin, pos);
+  }
+  return RopeFn::apply(x, cos, sin, pos);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
@@ -274,6 +305,7 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
   m.impl("moe_route", &moe_route_ad);
   m.impl("moe_combine", &moe_combine_ad);
   m.impl("moe_experts", &moe_experts_ad);
+  m.impl("rope", &rope_ad);
 }
 
 }  // namespace tonp

@@ -138,14 +138,15 @@ at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
 void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
   elem_of(q, op, "q");
   const Elem ek = elem_of(k, op, "k"), ev = elem_of(v, op, "v");
-  TORCH_CHECK(ek == ev && q.scalar_type() == k.scalar_type(), "tonp.", op, ": q, k, v must share one dtype");
-  TORCH_CHECK(q.dim() == 3, "tonp.", op, ": q must be [T, Hq, D], got ", q.sizes());
+  TORCH_CHECK_TYPE(ek == ev && q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "tonp.", op,
+                   ": q, k, v dtypes differ (", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type(), ")");
+  TORCH_CHECK_VALUE(q.dim() == 3, "tonp.", op, ": q must be [T, Hq, D], got ", q.sizes());
   const int64_t D = q.size(2);
-  TORCH_CHECK(D % 8 == 0 && D > 0, "tonp.", op, ": head_dim must be a positive multiple of 8, got ", D);
-  TORCH_CHECK(k.size(-1) == D && v.sizes() == k.sizes(), "tonp.", op, ": k/v shapes ", k.sizes(), "/", v.sizes(),
-              " do not match q ", q.sizes());
-  TORCH_CHECK(q.size(1) % k.size(-2) == 0, "tonp.", op, ": ", q.size(1), " query heads not a multiple of ", k.size(-2),
-              " KV heads");
+  TORCH_CHECK_VALUE(k.size(-1) == D && v.sizes() == k.sizes(), "tonp.", op, ": head_dim mismatch: q ", q.sizes(), ", k ",
+                    k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(D % 8 == 0 && D > 0, "tonp.", op, ": head_dim must be a positive multiple of 8, got ", D);
+  TORCH_CHECK_VALUE(q.size(1) % k.size(-2) == 0, "tonp.", op, ": ", q.size(1), " query heads are not a multiple of ",
+                    k.size(-2), " key-value heads");
 }
 
 size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
@@ -191,22 +192,25 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
 at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at::Tensor& vc_, const at::Tensor& pt_,
                            const at::Tensor& qs_, const at::Tensor& qpos_, double scale) {
   check_attention(q_, kc_, vc_, "attention_paged");
-  TORCH_CHECK(kc_.dim() == 4, "tonp.attention_paged: caches must be [pages, block, Hkv, D], got ", kc_.sizes());
+  TORCH_CHECK_VALUE(kc_.dim() == 4, "tonp.attention_paged: caches must be [pages, block, kv_heads, head_dim], got ",
+                    kc_.sizes());
   TORCH_CHECK(kc_.is_contiguous() && vc_.is_contiguous(), "tonp.attention_paged: caches must be contiguous");
   const at::Tensor pt = pt_.to(at::kInt).contiguous(), qs = qs_.to(at::kLong).contiguous(), qpos = qpos_.to(at::kLong).contiguous();
   const int64_t Tq = q_.size(0), Hq = q_.size(1), D = q_.size(2), P = kc_.size(0), B = kc_.size(1), Hkv = kc_.size(2);
   const int64_t G = Hq / Hkv, S = pt.size(0), maxp = pt.size(1);
-  TORCH_CHECK(qs.numel() == Tq && qpos.numel() == Tq, "tonp.attention_paged: q_seq and q_pos must have ", Tq, " entries");
+  TORCH_CHECK_VALUE(qs.dim() == 1 && qpos.dim() == 1 && qs.numel() == Tq && qpos.numel() == Tq,
+                    "tonp.attention_paged: q_seq/q_pos must be [", Tq, "], got ", qs.sizes(), " and ", qpos.sizes());
   const int32_t* ptp = pt.data_ptr<int32_t>();
   const int64_t* qsp = qs.data_ptr<int64_t>();
   const int64_t* qpp = qpos.data_ptr<int64_t>();
   for (int64_t i = 0; i < Tq; ++i) {
-    TORCH_CHECK(qsp[i] >= 0 && qsp[i] < S, "tonp.attention_paged: q_seq[", i, "]=", qsp[i], " outside the page table");
-    TORCH_CHECK(qpp[i] >= 0 && qpp[i] / B < maxp, "tonp.attention_paged: position ", qpp[i],
-                " exceeds the cache capacity of ", maxp * B, " positions");
+    TORCH_CHECK_INDEX(qsp[i] >= 0 && qsp[i] < S, "tonp.attention_paged: q_seq[", i, "]=", qsp[i],
+                      " out of the page table's range [0, ", S, ")");
+    TORCH_CHECK_INDEX(qpp[i] >= 0 && qpp[i] / B < maxp, "tonp.attention_paged: position ", qpp[i], " needs ", qpp[i] / B + 1,
+                      " pages but the page table holds ", maxp, " (cache capacity exceeded)");
     for (int64_t b = 0; b <= qpp[i] / B; ++b) {
       const int32_t page = ptp[qsp[i] * maxp + b];
-      TORCH_CHECK(page >= 0 && page < P, "tonp.attention_paged: page id ", page, " outside [0, ", P, ")");
+      TORCH_CHECK_INDEX(page >= 0 && page < P, "tonp.attention_paged: page id ", page, " outside [0, ", P, ")");
     }
   }
   const at::Tensor q = q_.to(at::kFloat).contiguous();
@@ -429,6 +433,54 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
   return out;
 }
 
+// RoPE (rotate-half, HF's default): out = x * cos + rotate_half(x) * sin at each row's position,
+// with cos/sin looked up in fp32 tables and rounded to x's dtype, and each product and the sum
+// rounded to x's dtype: the roundings of the same expression in torch ops. Elementwise, so a
+// row's bits depend only on the row and its position.
+template <typename T>
+void rope_rows(const T* x, T* out, const float* cos, const float* sin, const int64_t* pos, int64_t T_, int64_t Hh,
+               int64_t D, int64_t b, int64_t en) {
+  const int64_t half = D / 2;
+  auto r = [](float v) { return float(T(v)); };  // one rounding to T (identity for float)
+  for (int64_t row = b; row < en; ++row) {
+    const int64_t t = row / Hh;
+    const float* c = cos + pos[t] * D;
+    const float* s = sin + pos[t] * D;
+    const T* xr = x + row * D;
+    T* o = out + row * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float xv = float(xr[d]);
+      const float rv = d < half ? -float(xr[d + half]) : float(xr[d - half]);
+      o[d] = T(r(xv * r(c[d])) + r(rv * r(s[d])));
+    }
+  }
+}
+
+at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_, const at::Tensor& pos_) {
+  TORCH_CHECK_VALUE(x_.dim() == 3 && x_.size(2) % 2 == 0, "tonp.rope: x must be [T, heads, head_dim] with an even head_dim, got ",
+                    x_.sizes());
+  elem_of(x_, "rope", "x");
+  TORCH_CHECK_TYPE(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat, "tonp.rope: cos/sin tables must be float32");
+  TORCH_CHECK_VALUE(cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.size(1) == x_.size(2),
+                    "tonp.rope: cos/sin tables must be [positions, ", x_.size(2), "], got ", cos_.sizes(), " and ", sin_.sizes());
+  TORCH_CHECK_VALUE(pos_.dim() == 1 && pos_.size(0) == x_.size(0), "tonp.rope: positions must be [", x_.size(0), "], got ",
+                    pos_.sizes());
+  const at::Tensor x = x_.contiguous(), c = cos_.contiguous(), s = sin_.contiguous(), pos = pos_.to(at::kLong).contiguous();
+  const int64_t T = x.size(0), Hh = x.size(1), D = x.size(2), P = c.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(pp[t] >= 0 && pp[t] < P, "tonp.rope: position ", pp[t], " outside the table's [0, ", P, ")");
+  at::Tensor out = at::empty_like(x);
+  at::parallel_for(0, T * Hh, grain_for(8 * D), [&](int64_t b, int64_t en) {
+    if (x.scalar_type() == at::kFloat)
+      rope_rows(x.data_ptr<float>(), out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), pp, T, Hh, D, b, en);
+    else
+      rope_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), c.data_ptr<float>(), s.data_ptr<float>(), pp, T, Hh,
+                D, b, en);
+  });
+  return out;
+}
+
 // All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
 // to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
 // (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
@@ -547,6 +599,7 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("moe_route", &moe_route);
   m.impl("moe_combine", &moe_combine);
   m.impl("moe_experts", &moe_experts);
+  m.impl("rope", &rope);
 }
 
 }  // namespace tonp

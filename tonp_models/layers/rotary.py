@@ -4,13 +4,15 @@ The cos/sin tables are computed once for every position up to `max_positions`, i
 transformers' formulas, and rows are then looked up by position: a token's rotation depends
 only on its position, never on which other positions were computed in the same call (torch's
 vectorised cos/sin may round differently from its scalar tail, so computing them per call would
-make the bits depend on the batch). Applying them uses only elementwise mul/add/neg/cat, which
-round identically in every path.
+make the bits depend on the batch). Applying them (`tonp_kernels.rope`: x * cos + rotate_half(x)
+* sin, each step rounded to x's dtype) is elementwise, so it rounds identically in every path.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+import tonp_kernels as tk
 
 
 class RotaryEmbedding(nn.Module):
@@ -35,12 +37,5 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], positions int [T] -> rotated (q, k) in their dtype."""
-        cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]          # (T, 1, D)
-        sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rot * sin)
+        return (tk.rope(q, self.cos, self.sin, positions),
+                tk.rope(k, self.cos, self.sin, positions))
