@@ -118,9 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _mode._mode != "invariant":
         return stock.rms_norm(x, weight, eps)
     _check_cpu("rms_norm", x, weight)
-    if x.dim() == 2:
-        return _RMS_NORM(x, weight, eps)
-    return _RMS_NORM(x.reshape(-1, x.shape[-1]), weight, eps).reshape(x.shape)
+    return _RMS_NORM(x, weight, eps)  # any leading dims: rows are the last dim
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

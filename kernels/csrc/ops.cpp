@@ -99,12 +99,12 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
-  TORCH_CHECK_VALUE(x_.dim() == 2 && w_.dim() == 1 && w_.size(0) == x_.size(1), "tonp.rms_norm: weight ", w_.sizes(),
-                    " does not match x ", x_.sizes(), " (expected x [M, H] and weight [H])");
+  TORCH_CHECK_VALUE(x_.dim() >= 1 && w_.dim() == 1 && w_.size(0) == x_.size(-1), "tonp.rms_norm: weight ", w_.sizes(),
+                    " does not match x ", x_.sizes(), " (expected x [..., H] and weight [H])");
   const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty_like(x);
-  const int64_t M = x.size(0), H = x.size(1);
+  const int64_t H = x.size(-1), M = H ? x.numel() / H : 0;
   const int64_t esz = e == Elem::F32 ? 4 : 2;
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
