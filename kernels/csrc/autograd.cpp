@@ -231,28 +231,38 @@ struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
       const Tensor c = at::bincount(flat, {}, E);
       return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
     }();
+    // Weight gradients are written expert by expert into tensors of the weights' dtype (an fp32
+    // [E, 2I, H] scratch would be gigabytes at 128 experts); experts without rows get zeros.
     Tensor gx = want_x ? at::zeros_like(xf) : Tensor();
-    Tensor ggu = want_gu ? at::zeros(gate_up.sizes(), xf.options()) : Tensor();
-    Tensor gdn = want_dn ? at::zeros(down.sizes(), xf.options()) : Tensor();
+    Tensor ggu = want_gu ? at::empty(gate_up.sizes(), gate_up.options()) : Tensor();
+    Tensor gdn = want_dn ? at::empty(down.sizes(), down.options()) : Tensor();
+    auto store = [](Tensor dst, const Tensor& a, const Tensor& b) {  // dst = a @ b
+      if (dst.scalar_type() == at::kFloat)
+        at::mm_out(dst, a, b);
+      else
+        dst.copy_(at::mm(a, b));
+    };
     int64_t s = 0;
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = counts[e];
-      if (n == 0) continue;
+      if (n == 0) {
+        if (want_gu) ggu[e].zero_();
+        if (want_dn) gdn[e].zero_();
+        continue;
+      }
       const Tensor rows = order.slice(0, s, s + n), tok = rows.div(Kk, "floor");
       s += n;
       const Tensor xe = xf.index_select(0, tok), ge = gy.index_select(0, rows);
       const Tensor wgu = gate_up[e].to(at::kFloat), wdn = down[e].to(at::kFloat);
-      const Tensor gu = at::matmul(xe, wgu.t());
+      const Tensor gu = at::mm(xe, wgu.t());
       const Tensor g = gu.slice(1, 0, I), u = gu.slice(1, I, 2 * I);
-      const Tensor h = at::silu(g) * u;
-      if (want_dn) gdn[e].copy_(at::matmul(ge.t(), h));
-      auto [dg, du] = silu_mul_grads(g, u, at::matmul(ge, wdn));
+      if (want_dn) store(gdn[e], ge.t(), at::silu(g) * u);
+      auto [dg, du] = silu_mul_grads(g, u, at::mm(ge, wdn));
       const Tensor dgu = at::cat({dg, du}, 1);
-      if (want_gu) ggu[e].copy_(at::matmul(dgu.t(), xe));
-      if (want_x) gx.index_add_(0, tok, at::matmul(dgu, wgu));
+      if (want_gu) store(ggu[e], dgu.t(), xe);
+      if (want_x) gx.index_add_(0, tok, at::mm(dgu, wgu));
     }
-    return {want_x ? cast_like(gx, x) : Tensor(), Tensor(), want_gu ? cast_like(ggu, gate_up) : Tensor(),
-            want_dn ? cast_like(gdn, down) : Tensor(), Tensor(), Tensor()};
+    return {want_x ? cast_like(gx, x) : Tensor(), Tensor(), ggu, gdn, Tensor(), Tensor()};
   }
 };
 
