@@ -51,14 +51,23 @@ static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw
     const T* wc = w + c * kc;
     V8 acc[NT];
     for (int i = 0; i < NT; ++i) acc[i] = vzero();
-    for (int64_t k = 0; k < k8; k += 8) {
+    auto step = [&](int64_t k) {
       V8 xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = vload(xc + r * ldx + k);
       for (int n = 0; n < NR; ++n) {
         const V8 wv = vload(wc + n * ldw + k);
         for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
       }
+    };
+    // Per cache line of weights: prefetch the tile after next's rows at this k (each row is a
+    // few pages, too short for the hardware streams to ramp up; no arithmetic), then its steps.
+    constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+    int64_t k = 0;
+    for (; k + kLine <= k8; k += kLine) {
+      for (int n = 0; n < NR; ++n) prefetch(wc + (n + 2 * NR) * ldw + k);
+      for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
     }
+    for (; k < k8; k += 8) step(k);
     if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
       for (int r = 0; r < MR; ++r)
         for (int n = 0; n < NR; ++n) {
@@ -88,6 +97,8 @@ template <int MR, typename T>
 static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
                                  int ncols, float* out, int64_t ldo) {
   int n = 0;
+  if (MR == 1)  // one row streams the weight: eight rows at a time, eight streams in flight
+    for (; n + 8 <= ncols; n += 8) dot_tile<1, 8, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo);
   for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo);
   switch (ncols - n) {
     case 3: dot_tile<MR, 3, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
