@@ -26,12 +26,18 @@ struct AttnQuery {
   int64_t pos;           // the query's position t; keys 0..t are valid
 };
 
+// Scratch floats a linear_panel call needs: finished sums [kRowBlock, 16], chunk partials
+// [chunks, kRowBlock, 16], and for bf16 weights an fp32 copy of the panel [16, K].
+inline int64_t linear_scratch(int64_t chunks, int64_t K, Elem welem) {
+  return int64_t(kRowBlock) * kPanel * (1 + chunks) + (welem == Elem::BF16 ? int64_t(kPanel) * K : 0);
+}
+
 struct Kernels {
   const char* name;
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
-  // chunk partials are combined by the pairwise tree. scratch: rows*16 floats.
+  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, welem) floats.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch);

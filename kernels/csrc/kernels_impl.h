@@ -39,56 +39,74 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 // ---------------------------------------------------------------------------------------------
+// One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
+// prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
+template <int MR, int NR, typename T>
+static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t ldw, int64_t kc, int64_t prefetch_ahead,
+                             float* part) {
+  constexpr int NT = MR * NR;
+  const int64_t k8 = kc / 8 * 8;
+  V8 acc[NT];
+  for (int i = 0; i < NT; ++i) acc[i] = vzero();
+  auto step = [&](int64_t k) {
+    V8 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = vload(xc + r * ldx + k);
+    for (int n = 0; n < NR; ++n) {
+      const V8 wv = vload(wc + n * ldw + k);
+      for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
+    }
+  };
+  // Per cache line of weights: prefetch rows ahead at this k (a weight row is a few pages, too
+  // short for the hardware streams to ramp up; a hint, no arithmetic), then the line's steps.
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  int64_t k = 0;
+  for (; k + kLine <= k8; k += kLine) {
+    if (prefetch_ahead)
+      for (int n = 0; n < NR; ++n) prefetch(wc + (n + prefetch_ahead) * ldw + k);
+    for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
+  }
+  for (; k < k8; k += 8) step(k);
+  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < NR; ++n) {
+        float lanes[8];
+        vstore(lanes, acc[r * NR + n]);
+        for (int64_t j = k8; j < kc; ++j)
+          lanes[j - k8] = std::fma(xc[r * ldx + j], to_f32(wc[n * ldw + j]), lanes[j - k8]);
+        acc[r * NR + n] = vload(lanes);
+      }
+  }
+  // hsum8 gives each accumulator the same tree as hsum; eight at a time.
+  for (int i = 0; i < NT; i += 8) {
+    V8 g[8];
+    for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
+    float h[8];
+    vstore(h, hsum8(g));
+    for (int j = 0; j < 8 && i + j < NT; ++j) part[i + j] = h[j];
+  }
+}
+
+// The chunk tree over C partials spaced `stride` floats apart, in place, for n consecutive
+// outputs: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise. The result is in p[0..n).
+static inline void chunk_tree(float* p, int64_t stride, int chunks, int64_t n) {
+  for (int step = 1; step < chunks; step *= 2)
+    for (int c = 0; c + step < chunks; c += 2 * step) {
+      float* a = p + c * stride;
+      const float* b = p + (c + step) * stride;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) vstore(a + i, vadd(vload(a + i), vload(b + i)));
+      for (; i < n; ++i) a[i] = a[i] + b[i];
+    }
+}
+
+// All chunks of one tile, then the tree (the one-row path: the tile streams its weight rows once).
 template <int MR, int NR, typename T>
 static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
                             float* out /* [MR, ldo_part] */, int64_t ldo) {
   constexpr int NT = MR * NR;
-  constexpr int NT8 = (NT + 7) / 8 * 8;
-  float part[tonp::kMaxChunks][NT8];  // per-chunk partials of the tile's outputs
-  const int64_t k8 = kc / 8 * 8;
-  for (int c = 0; c < chunks; ++c) {
-    const float* xc = x + c * kc;
-    const T* wc = w + c * kc;
-    V8 acc[NT];
-    for (int i = 0; i < NT; ++i) acc[i] = vzero();
-    auto step = [&](int64_t k) {
-      V8 xv[MR];
-      for (int r = 0; r < MR; ++r) xv[r] = vload(xc + r * ldx + k);
-      for (int n = 0; n < NR; ++n) {
-        const V8 wv = vload(wc + n * ldw + k);
-        for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
-      }
-    };
-    // Per cache line of weights: prefetch the tile after next's rows at this k (each row is a
-    // few pages, too short for the hardware streams to ramp up; no arithmetic), then its steps.
-    constexpr int64_t kLine = 64 / int64_t(sizeof(T));
-    int64_t k = 0;
-    for (; k + kLine <= k8; k += kLine) {
-      for (int n = 0; n < NR; ++n) prefetch(wc + (n + 2 * NR) * ldw + k);
-      for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
-    }
-    for (; k < k8; k += 8) step(k);
-    if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
-      for (int r = 0; r < MR; ++r)
-        for (int n = 0; n < NR; ++n) {
-          float lanes[8];
-          vstore(lanes, acc[r * NR + n]);
-          for (int64_t k = k8; k < kc; ++k)
-            lanes[k - k8] = std::fma(xc[r * ldx + k], to_f32(wc[n * ldw + k]), lanes[k - k8]);
-          acc[r * NR + n] = vload(lanes);
-        }
-    }
-    // hsum8 gives each accumulator the same tree as hsum; eight at a time.
-    for (int i = 0; i < NT; i += 8) {
-      V8 g[8];
-      for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
-      vstore(part[c] + i, hsum8(g));
-    }
-  }
-  // The chunk tree: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise.
-  for (int step = 1; step < chunks; step *= 2)
-    for (int c = 0; c + step < chunks; c += 2 * step)
-      for (int i = 0; i < NT8; i += 8) vstore(part[c] + i, vadd(vload(part[c] + i), vload(part[c + step] + i)));
+  float part[tonp::kMaxChunks][NT];  // per-chunk partials of the tile's outputs
+  for (int c = 0; c < chunks; ++c) dot_chunk<MR, NR, T>(x + c * kc, ldx, w + c * kc, ldw, kc, 2 * NR, part[c]);
+  chunk_tree(&part[0][0], NT, chunks, NT);
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) out[r * ldo + n] = part[0][r * NR + n];
 }
@@ -108,6 +126,45 @@ static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_
   }
 }
 
+// One chunk of an MR-row tile across `ncols` weight rows, partials into p[r * 16 + n].
+template <int MR>
+static inline void chunk_cols(const float* xc, int64_t ldx, const float* wc, int64_t ldw, int64_t kc, int ncols,
+                              float* p) {
+  float t[MR * 4];
+  int n = 0;
+  auto put = [&](int nr) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < nr; ++j) p[r * kPanel + n + j] = t[r * nr + j];
+  };
+  for (; n + 4 <= ncols; n += 4) dot_chunk<MR, 4, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(4);
+  switch (ncols - n) {
+    case 3: dot_chunk<MR, 3, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(3); break;
+    case 2: dot_chunk<MR, 2, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(2); break;
+    case 1: dot_chunk<MR, 1, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(1); break;
+    default: break;
+  }
+}
+
+// The many-row path: chunk by chunk, so one chunk of the panel's weights (16 x kc) stays in L1
+// while every row tile of the block passes over it, and the block's x chunk stays in L2. The
+// partials of each (row, column, chunk) are the same values as dot_tile's, finished by the same
+// tree: only the loop order differs from the one-row path, never an output's arithmetic.
+static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const float* W, int64_t ldw, int64_t kc,
+                                int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */) {
+  const int64_t cstride = rows * kPanel;
+  for (int c = 0; c < chunks; ++c) {
+    const float* xc = x + c * kc;
+    const float* wc = W + c * kc;
+    float* pc = pbuf + c * cstride;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) chunk_cols<3>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 2) chunk_cols<2>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
+    if (rows - r == 1) chunk_cols<1>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
+  }
+  chunk_tree(pbuf, cstride, chunks, cstride);
+  for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
+}
+
 // bf16 weights are widened to fp32 as they are loaded (exact), so they cost half the bytes.
 template <typename T>
 static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
@@ -122,8 +179,12 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
   float* res = scratch;  // [rows, 16] finished sums
+  float* pbuf = scratch + int64_t(tonp::kRowBlock) * kPanel;  // [chunks, rows, 16] partials
   if (welem == Elem::F32) {
-    linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
+    if (rows < 8)
+      linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
+    else
+      linear_rows_blocked(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res, pbuf);
   } else if (rows < 8) {
     // bf16 weights widened as they are loaded: half the bytes of fp32 for decode-sized calls.
     linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
@@ -132,7 +193,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
     // when many rows reuse them. Only where the exact fp32 copy of a weight comes from differs
     // from the branch above: the FMAs see the same values in the same order, so the choice can
     // never change a bit (the row-invariance tests cross it).
-    float* wf = scratch + int64_t(tonp::kRowBlock) * kPanel;
+    float* wf = pbuf + int64_t(chunks) * tonp::kRowBlock * kPanel;
     const uint16_t* src = static_cast<const uint16_t*>(W);
     const int64_t K = kc * chunks;
     for (int j = 0; j < ncols; ++j) {
@@ -140,7 +201,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
       for (; k + 8 <= K; k += 8) vstore(wf + j * K + k, vload(src + j * ldw + k));
       for (; k < K; ++k) wf[j * K + k] = bf16_to_f32(src[j * ldw + k]);
     }
-    linear_rows(x, ldx, rows, static_cast<const float*>(wf), K, kc, chunks, ncols, res);
+    linear_rows_blocked(x, ldx, rows, wf, K, kc, chunks, ncols, res, pbuf);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {

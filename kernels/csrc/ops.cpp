@@ -85,7 +85,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
   at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kRowBlock * kPanel + (welem == Elem::BF16 ? kPanel * Kd : 0));
+    std::vector<float> scratch(linear_scratch(chunks, Kd, welem));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
       const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
@@ -552,7 +552,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
     const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
-      std::vector<float> scratch(kRowBlock * kPanel + (we == Elem::BF16 ? kPanel * Kd : 0));
+      std::vector<float> scratch(linear_scratch(chunks, Kd, we));
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
