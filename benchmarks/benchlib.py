@@ -140,8 +140,9 @@ def machine_meta() -> dict:
 
 
 def busy_warning(meta: dict) -> str:
-    """A loud line when the load average exceeded the core count during the run."""
-    load = max(meta.get("load_before", 0.0), meta.get("load_after", 0.0))
+    """A loud line when the machine was already busy before the run. (The load average after
+    the run includes the benchmark's own threads, so it cannot tell other work apart.)"""
+    load = meta.get("load_before", 0.0)
     if load > (meta.get("cores") or 1):
         return (f"**The machine was busy (load average {load:.1f} on {meta['cores']} cores): "
                 f"absolute numbers are unreliable; re-run `make bench` on a quiet machine.**")

@@ -234,7 +234,7 @@ def markdown(linear_rows, attn_rows, meta) -> str:
            f"{meta['stat'].capitalize()} of up to {meta['repeat']} runs after a warm-up; "
            f"load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after"
            + (" (**the machine was busy: timings are unreliable**)."
-              if max(meta["load_before"], meta["load_after"]) > os.cpu_count() else ".")
+              if meta["load_before"] > os.cpu_count() else ".")  # "after" counts this run's threads
            + ("" if meta["built"] else " **tonp kernels not built: torch columns only.**"), "",
            "## Linear (GFLOP/s; x = ratio to torch fp32 in this run)", "",
            "| shape | M | torch fp32 | torch bf16 | tonp fp32 | tonp bf16 | tonp fp32 / torch fp32 "

@@ -38,6 +38,12 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // the products x[m, k] * w[n, k] for k = l, l + 8, ... in sequence (an FMA chain from 0), the
 // last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
+//
+// Which outputs share a tile (1x8 for one row, 3x4 otherwise, narrower at a panel's edges), the
+// loop order (all chunks of a tile at once, or chunk by chunk over a row block) and where an fp32
+// copy of a bf16 weight comes from are chosen from the task's row count: they change which
+// outputs are computed side by side, never the FMA chains, the hsum tree or the chunk tree of an
+// output. The row-invariance tests (M = 1 ... 301) cross every one of these thresholds.
 // ---------------------------------------------------------------------------------------------
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
 // prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
@@ -66,15 +72,20 @@ static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t 
     for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
   }
   for (; k < k8; k += 8) step(k);
-  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would
+  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would; the
+    const int nt = int(kc - k8);  // other lanes keep their value exactly (a select, not an add)
+    float xt[MR][8], wt[NR][8];
     for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 8; ++j) xt[r][j] = j < nt ? xc[r * ldx + k8 + j] : 0.f;
+    for (int n = 0; n < NR; ++n)
+      for (int j = 0; j < 8; ++j) wt[n][j] = j < nt ? to_f32(wc[n * ldw + k8 + j]) : 0.f;
+    for (int r = 0; r < MR; ++r) {
+      const V8 xv = vload(xt[r]);
       for (int n = 0; n < NR; ++n) {
-        float lanes[8];
-        vstore(lanes, acc[r * NR + n]);
-        for (int64_t j = k8; j < kc; ++j)
-          lanes[j - k8] = std::fma(xc[r * ldx + j], to_f32(wc[n * ldw + j]), lanes[j - k8]);
-        acc[r * NR + n] = vload(lanes);
+        V8& a = acc[r * NR + n];
+        a = vsel_first(nt, vfma(xv, vload(wt[n]), a), a);
       }
+    }
   }
   // hsum8 gives each accumulator the same tree as hsum; eight at a time.
   for (int i = 0; i < NT; i += 8) {

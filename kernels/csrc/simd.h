@@ -62,6 +62,11 @@ inline V8 vpow2i(V8 n) {
 // select(mask a < b, x, y) and friends
 inline V8 vsel_lt(V8 a, V8 b, V8 x, V8 y) { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))}; }
 inline V8 vsel_nan(V8 a, V8 x, V8 y) { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))}; }
+// Lanes 0..n-1 from a, the others from b.
+inline V8 vsel_first(int n, V8 a, V8 b) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx)))};
+}
 inline float lane(V8 a, int i) {
   alignas(32) float t[8];
   _mm256_store_ps(t, a.v);
@@ -102,6 +107,7 @@ inline V8 vpow2i(V8 n) {
 }
 inline V8 vsel_lt(V8 a, V8 b, V8 x, V8 y) { TONP_LANES y.v[i] = a.v[i] < b.v[i] ? x.v[i] : y.v[i]; return y; }
 inline V8 vsel_nan(V8 a, V8 x, V8 y) { TONP_LANES y.v[i] = std::isnan(a.v[i]) ? x.v[i] : y.v[i]; return y; }
+inline V8 vsel_first(int n, V8 a, V8 b) { TONP_LANES b.v[i] = i < n ? a.v[i] : b.v[i]; return b; }
 inline float lane(V8 a, int i) { return a.v[i]; }
 inline V8 hsum8(const V8* a) {
   V8 r;
