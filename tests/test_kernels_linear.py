@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import tonp_kernels as tk
 from tonp_kernels import reference
 from conftest import (DTYPES, ROW_COUNTS, assert_bitwise, assert_close, check_row_invariance,
-                      check_thread_invariance, randn, rows_differ_somewhere)
+                      check_thread_invariance, env, randn, rows_differ_somewhere)
 
 # (K, N): small reductions for speed; an odd N (tails of the output tile); K=2048 where it
 # matters (the model's hidden size, where MKL's M-dependence was measured).
@@ -43,6 +43,24 @@ def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
     for M in (1, 5, 64, 129):
         check_row_invariance(lambda x: tk.linear(x, w, out_dtype=torch.float32),
                              lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_with_short_chunks(dtype, gen):
+    """Chunks of 3, 5, 8, 12 and 13 elements (K = 24 .. 104 at C = 8): the one-row tiles, the
+    many-row path, its transposed path for chunks of at most 8, and the vector tails all give a
+    row the same bits, in the AVX2 and the portable builds."""
+    for K, N in ((24, 37), (40, 16), (64, 64), (96, 21), (104, 40)):
+        w, b = _weights(K, N, dtype, gen, bias=True)
+        for M in (1, 7, 100):
+            check_row_invariance(lambda x: tk.linear(x, w, b),
+                                 lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
+        x = randn(100, K, dtype=dtype, gen=gen)
+        with env("TONP_FORCE_PORTABLE", "1"):
+            portable = tk.linear(x, w, b)
+        assert_bitwise(tk.linear(x, w, b), portable, f"K={K} AVX2 vs portable")
+        assert_close(tk.linear(x, w, b), reference.linear(x, w, b), dtype=dtype,
+                     what=f"K={K} vs reference")
 
 
 def test_stock_torch_linear_depends_on_the_batch(torch_mode, gen):

@@ -163,6 +163,29 @@ static inline void chunk_cols(const float* xc, int64_t ldx, const float* wc, int
 static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const float* W, int64_t ldw, int64_t kc,
                                 int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */) {
   const int64_t cstride = rows * kPanel;
+  if (kc <= 8) {
+    // A chunk of at most eight products is one lane step: lane l holds fma(x[l], w[l], 0) (0 past
+    // kc) and the partial is the hsum tree over the lanes. Computed transposed, eight outputs to a
+    // vector: P_l = fma(x[l], w[n0..n0+8][l], 0), then the same tree lane-wise: the same values as
+    // dot_chunk, without a horizontal sum per output.
+    float wt[8][kPanel];
+    for (int c = 0; c < chunks; ++c) {
+      for (int l = 0; l < kc; ++l)
+        for (int n = 0; n < kPanel; ++n) wt[l][n] = n < ncols ? W[n * ldw + c * kc + l] : 0.f;
+      float* pc = pbuf + c * cstride;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx + c * kc;
+        for (int n0 = 0; n0 < kPanel; n0 += 8) {
+          V8 p[8];
+          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xr[l]), vload(wt[l] + n0), vzero()) : vzero();
+          vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
+        }
+      }
+    }
+    chunk_tree(pbuf, cstride, chunks, cstride);
+    for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
+    return;
+  }
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
     const float* wc = W + c * kc;
