@@ -208,7 +208,10 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0,
     if not _invariant():
         return stock.logsumexp(logits, temperature)
     _check_logits("logsumexp", logits, chunks)
-    return _LogSumExp.apply(logits, float(temperature), chunks)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogSumExp.apply(logits, float(temperature), chunks)
+    m, s = lse_partial(logits, temperature=temperature, chunks=chunks)  # no autograd node
+    return lse_finish(m.unsqueeze(0), s.unsqueeze(0))
 
 
 class _LogSumExp(torch.autograd.Function):
