@@ -17,10 +17,17 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
 
+// The CPU kernel of a tonp op, called below autograd (the forward of every Function here).
 template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
+struct Below {
+  c10::TypedOperatorHandle<Sig> handle;
+  explicit Below(const char* name) : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>()) {}
+  template <typename... Args>
+  auto operator()(Args&&... args) const {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return handle.call(std::forward<Args>(args)...);
+  }
+};
 
 using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, std::optional<at::ScalarType>);
 using RmsSig = Tensor(const Tensor&, const Tensor&, double);
@@ -43,12 +50,11 @@ Tensor cast_like(const Tensor& g, const Tensor& like) { return g.to(like.scalar_
 struct LinearFn : torch::autograd::Function<LinearFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
                         int64_t chunks, std::optional<at::ScalarType> out_dtype) {
-    static auto k = op<LinearSig>("tonp::linear");
+    static const Below<LinearSig> k("tonp::linear");
     ctx->save_for_backward({x, w});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     if (bias.has_value() && bias->defined()) ctx->saved_data["bias_dtype"] = bias->scalar_type();
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, w, bias, chunks, out_dtype);
+    return k(x, w, bias, chunks, out_dtype);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // fp32 GEMMs (MKL) even for bf16 tensors: stock bf16 GEMM on these CPUs is ~400x slower.
@@ -68,9 +74,8 @@ Tensor linear_ad(const Tensor& x, const Tensor& w, const std::optional<Tensor>& 
                  std::optional<at::ScalarType> out_dtype) {
   const Tensor none;
   if (!any_requires_grad({&x, &w, bias.has_value() ? &*bias : &none})) {
-    static auto k = op<LinearSig>("tonp::linear");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, w, bias, chunks, out_dtype);
+    static const Below<LinearSig> k("tonp::linear");
+    return k(x, w, bias, chunks, out_dtype);
   }
   return LinearFn::apply(x, w, bias, chunks, out_dtype);
 }
@@ -78,11 +83,10 @@ Tensor linear_ad(const Tensor& x, const Tensor& w, const std::optional<Tensor>& 
 // --- rms_norm: y = w * round(x * r), r = rsqrt(mean(x^2) + eps) -------------------------------
 struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps) {
-    static auto k = op<RmsSig>("tonp::rms_norm");
+    static const Below<RmsSig> k("tonp::rms_norm");
     ctx->save_for_backward({x, w});
     ctx->saved_data["eps"] = eps;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, w, eps);
+    return k(x, w, eps);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -103,9 +107,8 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
 
 Tensor rms_norm_ad(const Tensor& x, const Tensor& w, double eps) {
   if (!any_requires_grad({&x, &w})) {
-    static auto k = op<RmsSig>("tonp::rms_norm");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, w, eps);
+    static const Below<RmsSig> k("tonp::rms_norm");
+    return k(x, w, eps);
   }
   return RmsNormFn::apply(x, w, eps);
 }
@@ -121,10 +124,9 @@ std::pair<Tensor, Tensor> silu_mul_grads(const Tensor& gate, const Tensor& up, c
 
 struct SiluMulFn : torch::autograd::Function<SiluMulFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
-    static auto k = op<SiluSig>("tonp::silu_mul");
+    static const Below<SiluSig> k("tonp::silu_mul");
     ctx->save_for_backward({gate, up});
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(gate, up);
+    return k(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -135,9 +137,8 @@ struct SiluMulFn : torch::autograd::Function<SiluMulFn> {
 
 Tensor silu_mul_ad(const Tensor& gate, const Tensor& up) {
   if (!any_requires_grad({&gate, &up})) {
-    static auto k = op<SiluSig>("tonp::silu_mul");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(gate, up);
+    static const Below<SiluSig> k("tonp::silu_mul");
+    return k(gate, up);
   }
   return SiluMulFn::apply(gate, up);
 }
@@ -145,9 +146,8 @@ Tensor silu_mul_ad(const Tensor& gate, const Tensor& up) {
 // --- moe_route: the weights are softmax(logits)[ids] (renormalised); the ids are a choice ------
 struct MoeRouteFn : torch::autograd::Function<MoeRouteFn> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, int64_t top_k, bool normalize) {
-    static auto k = op<RouteSig>("tonp::moe_route");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [ids, w] = k.call(logits, top_k, normalize);
+    static const Below<RouteSig> k("tonp::moe_route");
+    auto [ids, w] = k(logits, top_k, normalize);
     ctx->save_for_backward({logits, ids, w});
     ctx->saved_data["normalize"] = normalize;
     ctx->mark_non_differentiable({ids});
@@ -171,9 +171,8 @@ struct MoeRouteFn : torch::autograd::Function<MoeRouteFn> {
 
 std::tuple<Tensor, Tensor> moe_route_ad(const Tensor& logits, int64_t top_k, bool normalize) {
   if (!any_requires_grad({&logits})) {
-    static auto k = op<RouteSig>("tonp::moe_route");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(logits, top_k, normalize);
+    static const Below<RouteSig> k("tonp::moe_route");
+    return k(logits, top_k, normalize);
   }
   auto out = MoeRouteFn::apply(logits, top_k, normalize);
   return {out[0], out[1]};
@@ -182,10 +181,9 @@ std::tuple<Tensor, Tensor> moe_route_ad(const Tensor& logits, int64_t top_k, boo
 // --- moe_combine: out = sum_k w_k y_k ---------------------------------------------------------
 struct MoeCombineFn : torch::autograd::Function<MoeCombineFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& w, const Tensor& y) {
-    static auto k = op<CombineSig>("tonp::moe_combine");
+    static const Below<CombineSig> k("tonp::moe_combine");
     ctx->save_for_backward({w, y});
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(w, y);
+    return k(w, y);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -200,9 +198,8 @@ struct MoeCombineFn : torch::autograd::Function<MoeCombineFn> {
 
 Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
   if (!any_requires_grad({&w, &y})) {
-    static auto k = op<CombineSig>("tonp::moe_combine");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(w, y);
+    static const Below<CombineSig> k("tonp::moe_combine");
+    return k(w, y);
   }
   return MoeCombineFn::apply(w, y);
 }
@@ -211,11 +208,10 @@ Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
 struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& ids, const Tensor& gate_up,
                         const Tensor& down, int64_t first_expert, int64_t chunks) {
-    static auto k = op<ExpertsSig>("tonp::moe_experts");
+    static const Below<ExpertsSig> k("tonp::moe_experts");
     ctx->save_for_backward({x, ids, gate_up, down});
     ctx->saved_data["first"] = first_expert;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, ids, gate_up, down, first_expert, chunks);
+    return k(x, ids, gate_up, down, first_expert, chunks);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Per expert, in fp32: recompute gate_up (one GEMM) rather than keep [rows, 2I] alive.
@@ -269,9 +265,8 @@ struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
 Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up, const Tensor& down, int64_t first_expert,
                       int64_t chunks) {
   if (!any_requires_grad({&x, &gate_up, &down})) {
-    static auto k = op<ExpertsSig>("tonp::moe_experts");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, ids, gate_up, down, first_expert, chunks);
+    static const Below<ExpertsSig> k("tonp::moe_experts");
+    return k(x, ids, gate_up, down, first_expert, chunks);
   }
   return MoeExpertsFn::apply(x, ids, gate_up, down, first_expert, chunks);
 }
@@ -279,11 +274,10 @@ Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up,
 // --- rope: out = x * c + R(x) * s, R(x) = cat(-x2, x1); so dx = g * c + R^T(g * s), R^T(y) = cat(y2, -y1)
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
-    static auto k = op<RopeSig>("tonp::rope");
+    static const Below<RopeSig> k("tonp::rope");
     ctx->save_for_backward({cos, sin, pos});
     ctx->saved_data["dtype"] = x.scalar_type();
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, cos, sin, pos);
+    return k(x, cos, sin, pos);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -299,9 +293,8 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
 
 Tensor rope_ad(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
   if (!any_requires_grad({&x})) {
-    static auto k = op<RopeSig>("tonp::rope");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return k.call(x, cos, sin, pos);
+    static const Below<RopeSig> k("tonp::rope");
+    return k(x, cos, sin, pos);
   }
   return RopeFn::apply(x, cos, sin, pos);
 }
