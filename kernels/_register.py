@@ -76,6 +76,12 @@ def _(x, expert_ids, gate_up, down, first_expert, chunks):
     return x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1]))
 
 
+@torch.library.register_fake(_lib + "moe_experts_backward")
+def _(grad, x, expert_ids, gate_up, down, first_expert, output_mask):
+    return tuple(torch.empty_like(t) if want else t.new_empty(0)
+                 for t, want in zip((x, gate_up, down), output_mask))
+
+
 @torch.library.register_fake(_lib + "rope")
 def _(x, cos, sin, positions):
     return torch.empty_like(x)

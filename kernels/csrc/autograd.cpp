@@ -7,6 +7,7 @@
 // need to be correct, not invariant (CONTRACT.md). attention_varlen keeps its Python autograd
 // (_register.py): it runs once per layer.
 #include <ATen/ATen.h>
+#include <array>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -36,6 +37,8 @@ using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const Tensor&);
 using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using RopeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using ExpertsBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                         const Tensor&, int64_t, std::array<bool, 3>);
 
 bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
@@ -204,6 +207,53 @@ Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
   return MoeCombineFn::apply(w, y);
 }
 
+// The backward of moe_experts (CPU kernel of tonp::moe_experts_backward): per expert, in fp32,
+// recomputing gate_up (one GEMM) rather than keeping [rows, 2I] alive. Weight gradients are
+// written expert by expert into tensors of the weights' dtype (an fp32 [E, 2I, H] scratch would
+// be gigabytes at 128 experts); experts without rows get zeros. Unwanted gradients come back
+// as empty tensors.
+std::tuple<Tensor, Tensor, Tensor> moe_experts_backward(const Tensor& grad, const Tensor& x, const Tensor& ids,
+                                                        const Tensor& gate_up, const Tensor& down, int64_t first,
+                                                        std::array<bool, 3> want) {
+  const int64_t Kk = ids.size(1), H = x.size(1), E = gate_up.size(0), I = down.size(2);
+  const Tensor xf = x.to(at::kFloat), gy = grad.to(at::kFloat).reshape({-1, H});
+  const Tensor flat = ids.reshape({-1}) - first;
+  const Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
+  const Tensor count_t = at::bincount(flat, {}, E);
+  const int64_t* counts = count_t.data_ptr<int64_t>();
+  Tensor gx = want[0] ? at::zeros_like(xf) : Tensor();
+  Tensor ggu = want[1] ? at::empty(gate_up.sizes(), gate_up.options()) : Tensor();
+  Tensor gdn = want[2] ? at::empty(down.sizes(), down.options()) : Tensor();
+  auto store = [](Tensor dst, const Tensor& a, const Tensor& b) {  // dst = a @ b
+    if (dst.scalar_type() == at::kFloat)
+      at::mm_out(dst, a, b);
+    else
+      dst.copy_(at::mm(a, b));
+  };
+  int64_t s = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = counts[e];
+    if (n == 0) {
+      if (want[1]) ggu[e].zero_();
+      if (want[2]) gdn[e].zero_();
+      continue;
+    }
+    const Tensor rows = order.slice(0, s, s + n), tok = rows.div(Kk, "floor");
+    s += n;
+    const Tensor xe = xf.index_select(0, tok), ge = gy.index_select(0, rows);
+    const Tensor wgu = gate_up[e].to(at::kFloat), wdn = down[e].to(at::kFloat);
+    const Tensor gu = at::mm(xe, wgu.t());
+    const Tensor g = gu.slice(1, 0, I), u = gu.slice(1, I, 2 * I);
+    if (want[2]) store(gdn[e], ge.t(), at::silu(g) * u);
+    auto [dg, du] = silu_mul_grads(g, u, at::mm(ge, wdn));
+    const Tensor dgu = at::cat({dg, du}, 1);
+    if (want[1]) store(ggu[e], dgu.t(), xe);
+    if (want[0]) gx.index_add_(0, tok, at::mm(dgu, wgu));
+  }
+  return {want[0] ? cast_like(gx, x) : x.new_empty({0}), want[1] ? ggu : gate_up.new_empty({0}),
+          want[2] ? gdn : down.new_empty({0})};
+}
+
 // --- moe_experts: y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, k] -------------
 struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& ids, const Tensor& gate_up,
@@ -214,51 +264,13 @@ struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
     return k(x, ids, gate_up, down, first_expert, chunks);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // Per expert, in fp32: recompute gate_up (one GEMM) rather than keep [rows, 2I] alive.
+    // An op of its own (tonp::moe_experts_backward, below): its per-expert loop depends on the
+    // routing, so traced graphs must see it as one opaque call with a fake implementation.
+    static const Below<ExpertsBwdSig> k("tonp::moe_experts_backward");
     const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &ids = saved[1], &gate_up = saved[2], &down = saved[3];
-    const int64_t first = ctx->saved_data["first"].toInt();
-    const int64_t Kk = ids.size(1), H = x.size(1), E = gate_up.size(0), I = down.size(2);
-    const bool want_x = ctx->needs_input_grad(0), want_gu = ctx->needs_input_grad(2), want_dn = ctx->needs_input_grad(3);
-    const Tensor xf = x.to(at::kFloat), gy = grads[0].to(at::kFloat).reshape({-1, H});
-    const Tensor flat = ids.reshape({-1}) - first;
-    const Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
-    const std::vector<int64_t> counts = [&] {
-      const Tensor c = at::bincount(flat, {}, E);
-      return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
-    }();
-    // Weight gradients are written expert by expert into tensors of the weights' dtype (an fp32
-    // [E, 2I, H] scratch would be gigabytes at 128 experts); experts without rows get zeros.
-    Tensor gx = want_x ? at::zeros_like(xf) : Tensor();
-    Tensor ggu = want_gu ? at::empty(gate_up.sizes(), gate_up.options()) : Tensor();
-    Tensor gdn = want_dn ? at::empty(down.sizes(), down.options()) : Tensor();
-    auto store = [](Tensor dst, const Tensor& a, const Tensor& b) {  // dst = a @ b
-      if (dst.scalar_type() == at::kFloat)
-        at::mm_out(dst, a, b);
-      else
-        dst.copy_(at::mm(a, b));
-    };
-    int64_t s = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = counts[e];
-      if (n == 0) {
-        if (want_gu) ggu[e].zero_();
-        if (want_dn) gdn[e].zero_();
-        continue;
-      }
-      const Tensor rows = order.slice(0, s, s + n), tok = rows.div(Kk, "floor");
-      s += n;
-      const Tensor xe = xf.index_select(0, tok), ge = gy.index_select(0, rows);
-      const Tensor wgu = gate_up[e].to(at::kFloat), wdn = down[e].to(at::kFloat);
-      const Tensor gu = at::mm(xe, wgu.t());
-      const Tensor g = gu.slice(1, 0, I), u = gu.slice(1, I, 2 * I);
-      if (want_dn) store(gdn[e], ge.t(), at::silu(g) * u);
-      auto [dg, du] = silu_mul_grads(g, u, at::mm(ge, wdn));
-      const Tensor dgu = at::cat({dg, du}, 1);
-      if (want_gu) store(ggu[e], dgu.t(), xe);
-      if (want_x) gx.index_add_(0, tok, at::mm(dgu, wgu));
-    }
-    return {want_x ? cast_like(gx, x) : Tensor(), Tensor(), ggu, gdn, Tensor(), Tensor()};
+    const std::array<bool, 3> want{ctx->needs_input_grad(0), ctx->needs_input_grad(2), ctx->needs_input_grad(3)};
+    auto [gx, ggu, gdn] = k(grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["first"].toInt(), want);
+    return {want[0] ? gx : Tensor(), Tensor(), want[1] ? ggu : Tensor(), want[2] ? gdn : Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -310,5 +322,7 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
   m.impl("moe_experts", &moe_experts_ad);
   m.impl("rope", &rope_ad);
 }
+
+TORCH_LIBRARY_IMPL(tonp, CPU, m) { m.impl("moe_experts_backward", &moe_experts_backward); }
 
 }  // namespace tonp

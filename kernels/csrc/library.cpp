@@ -19,6 +19,8 @@ TORCH_LIBRARY(tonp, m) {
   m.def("moe_combine(Tensor weights, Tensor expert_out) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, int chunks) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
+  m.def("moe_experts_backward(Tensor grad, Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 // A Python module named tonp_kernels._C so that `import tonp_kernels._C` loads the library.
