@@ -40,6 +40,14 @@ int64_t grain_for(int64_t cost_per_task) {
   return std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, cost_per_task));
 }
 
+// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
+// micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
+int64_t row_block(int64_t M) {
+  const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t rb = (M + nb - 1) / nb;
+  return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
+}
+
 void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
   TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
@@ -77,18 +85,18 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
   // (optimizer step, .data copy, inference tensor) is always seen.
   const at::Tensor wc = w.contiguous();
-  const int64_t kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t rb = row_block(M), kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + rb - 1) / rb;
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2;
   const float* xp = x.data_ptr<float>();
   const char* wp = static_cast<const char*>(wc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
-  at::parallel_for(0, np * nmb, grain_for(std::min<int64_t>(M, kRowBlock) * Kd * kPanel), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, np * nmb, grain_for(rb * Kd * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(linear_scratch(chunks, Kd, welem));
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t mb = t / np, p = t % np, r0 = mb * kRowBlock;
-      const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
+      const int64_t mb = t / np, p = t % np, r0 = mb * rb;
+      const int64_t rows = std::min<int64_t>(rb, M - r0);
       const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
       kern->linear_panel(xp + r0 * Kd, Kd, rows, wp + p * kPanel * Kd * esz, Kd, welem, kc, int(chunks),
                          bp ? bp + p * kPanel : nullptr, ncols, op + (r0 * N + p * kPanel) * osz, N, oelem,
@@ -520,11 +528,12 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t r = 0; r < R; ++r) order[fill[idp[r] - first_expert]++] = r;
   }
-  // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows.
+  // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows, even per expert.
   struct Blk { int64_t e, r0, rows; };
   std::vector<Blk> blks;
   for (int64_t e = 0; e < E; ++e)
-    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRowBlock) blks.push_back({e, r0, std::min<int64_t>(kRowBlock, start[e + 1] - r0)});
+    for (int64_t n = start[e + 1] - start[e], rb = row_block(n), r0 = start[e]; r0 < start[e + 1]; r0 += rb)
+      blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
   const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
   const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2;
   const auto f32 = x.options().dtype(at::kFloat);
