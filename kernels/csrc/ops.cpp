@@ -43,6 +43,7 @@ int64_t grain_for(int64_t cost_per_task) {
 // Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
 // micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
 int64_t row_block(int64_t M) {
+  if (M <= 0) return kRowBlock;
   const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
   const int64_t rb = (M + nb - 1) / nb;
   return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
