@@ -35,9 +35,8 @@ Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
 // Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
 // thread hand-off costs more than it saves. Only the split across threads depends on this,
 // never the arithmetic of an output.
-int64_t grain_for(int64_t cost_per_task) {
-  constexpr int64_t kMinWork = int64_t(1) << 18;
-  return std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, cost_per_task));
+int64_t grain_for(int64_t cost_per_task, int64_t min_work = int64_t(1) << 18) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, cost_per_task));
 }
 
 // Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
@@ -93,7 +92,10 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   char* op = static_cast<char*>(out.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
-  at::parallel_for(0, np * nmb, grain_for(rb * Kd * kPanel), [&](int64_t begin, int64_t end) {
+  // A one-row call streams its weight: from 64k multiply-adds (a 256 KB fp32 weight) a second
+  // thread's bandwidth pays for its wake-up.
+  at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * kPanel, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(linear_scratch(chunks, Kd, welem));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * rb;
