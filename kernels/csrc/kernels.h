@@ -1,5 +1,5 @@
-// The per-ISA kernel table. ops.cpp (the torch-facing side: checks, allocation, threading,
-// weight packing) calls these through `kernels()`; isa_avx2.cpp and isa_portable.cpp each fill
+// The per-ISA kernel table. ops.cpp and moe_ops.cpp (the torch-facing side: checks, allocation,
+// threading) call these through `K()` (ops_common.h); isa_avx2.cpp and isa_portable.cpp each fill
 // one table from the same source (kernels_impl.h), so both give identical bits.
 //
 // Threading never splits a reduction: every function below computes complete outputs (rows,

@@ -13,46 +13,10 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops_common.h"
 
 namespace tonp {
 namespace {
-
-const Kernels* K() {
-  // Read at call time so tests can compare the AVX2 and the portable build in one process.
-  const char* force = std::getenv("TONP_FORCE_PORTABLE");
-  if (force && force[0] == '1') return kernels_portable();
-  static const bool avx2 = cpu_has_avx2_fma();
-  return avx2 ? kernels_avx2() : kernels_portable();
-}
-
-Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), "tonp.", op, ": ", what, " must be a CPU tensor, got ", t.device());
-  if (t.scalar_type() == at::kFloat) return Elem::F32;
-  if (t.scalar_type() == at::kBFloat16) return Elem::BF16;
-  TORCH_CHECK_TYPE(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
-}
-
-// Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
-// thread hand-off costs more than it saves. Only the split across threads depends on this,
-// never the arithmetic of an output.
-int64_t grain_for(int64_t cost_per_task, int64_t min_work = int64_t(1) << 18) {
-  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, cost_per_task));
-}
-
-// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
-// micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
-int64_t row_block(int64_t M) {
-  if (M <= 0) return kRowBlock;
-  const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t rb = (M + nb - 1) / nb;
-  return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
-}
-
-void check_chunks(int64_t K, int64_t chunks, const char* op) {
-  TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
-  TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
-                    " (the chunk tree needs C | K)");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Ops
@@ -388,62 +352,6 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k, bool normalize) {
-  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E], got ", x_.sizes());
-  elem_of(x_, "moe_route", "router_logits");
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), E = x.size(1);
-  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
-  at::Tensor ids = at::empty({M, top_k}, x.options().dtype(at::kLong)), w = at::empty({M, top_k}, x.options());
-  const Kernels* kern = K();
-  at::parallel_for(0, M, grain_for(16 * E * top_k), [&](int64_t b, int64_t en) {
-    std::vector<float> p(E);
-    std::vector<char> taken(E);
-    for (int64_t r = b; r < en; ++r) {
-      const float* row = x.data_ptr<float>() + r * E;
-      float mx = row[0];
-      for (int64_t i = 1; i < E; ++i) mx = row[i] > mx ? row[i] : mx;
-      float z = 0.f;
-      for (int64_t i = 0; i < E; ++i) z = z + (p[i] = kern->exp(row[i] - mx));
-      for (int64_t i = 0; i < E; ++i) p[i] = p[i] / z;
-      std::fill(taken.begin(), taken.end(), 0);
-      int64_t* idr = ids.data_ptr<int64_t>() + r * top_k;
-      float* wr = w.data_ptr<float>() + r * top_k;
-      for (int64_t k = 0; k < top_k; ++k) {  // stable: strictly greater wins, so ties go to the lower id
-        int64_t best = -1;
-        for (int64_t i = 0; i < E; ++i)
-          if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
-        taken[best] = 1;
-        idr[k] = best;
-        wr[k] = p[best];
-      }
-      if (normalize) {
-        float s = 0.f;
-        for (int64_t k = 0; k < top_k; ++k) s = s + wr[k];
-        for (int64_t k = 0; k < top_k; ++k) wr[k] = wr[k] / s;
-      }
-    }
-  });
-  return {ids, w};
-}
-
-at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
-  TORCH_CHECK_VALUE(y_.dim() == 3 && w_.dim() == 2 && w_.size(0) == y_.size(0) && w_.size(1) == y_.size(1),
-              "tonp.moe_combine: expected weights [M, K] and expert_out [M, K, H], got ", w_.sizes(), " and ", y_.sizes());
-  TORCH_CHECK_TYPE(w_.scalar_type() == at::kFloat, "tonp.moe_combine: weights must be float32");
-  const Elem e = elem_of(y_, "moe_combine", "expert_out");
-  const at::Tensor w = w_.contiguous(), y = y_.contiguous();
-  const int64_t M = y.size(0), Kk = y.size(1), H = y.size(2), esz = e == Elem::F32 ? 4 : 2;
-  at::Tensor out = at::empty({M, H}, y.options());
-  const char* yp = static_cast<const char*>(y.data_ptr());
-  char* op = static_cast<char*>(out.data_ptr());
-  const Kernels* kern = K();
-  at::parallel_for(0, M, grain_for(Kk * H), [&](int64_t b, int64_t en) {
-    for (int64_t r = b; r < en; ++r) kern->moe_combine(w.data_ptr<float>() + r * Kk, yp + r * Kk * H * esz, op + r * H * esz, Kk, H, e);
-  });
-  return out;
-}
-
 // RoPE (rotate-half, HF's default): out = x * cos + rotate_half(x) * sin at each row's position,
 // with cos/sin looked up in fp32 tables and rounded to x's dtype, and each product and the sum
 // rounded to x's dtype: the roundings of the same expression in torch ops. Elementwise, so a
@@ -492,110 +400,6 @@ at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& 
   return out;
 }
 
-// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
-// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
-// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
-// each row's bits are those of running its expert alone on it. Rows are grouped by expert
-// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
-// parallel regions per layer instead of two per expert.
-at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
-                       int64_t first_expert, int64_t chunks) {
-  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_experts: x must be [M, H], got ", x_.sizes());
-  TORCH_CHECK_VALUE(ids_.dim() == 2 && ids_.size(0) == x_.size(0), "tonp.moe_experts: expert ids must be [M, K] with M = ",
-                    x_.size(0), ", got ", ids_.sizes());
-  TORCH_CHECK_TYPE(ids_.scalar_type() == at::kLong, "tonp.moe_experts: expert ids must be int64, got ", ids_.scalar_type());
-  TORCH_CHECK_VALUE(gu_.dim() == 3 && dn_.dim() == 3 && gu_.size(0) == dn_.size(0) && gu_.size(2) == x_.size(1) &&
-                        gu_.size(1) % 2 == 0 && dn_.size(1) == x_.size(1) && 2 * dn_.size(2) == gu_.size(1),
-                    "tonp.moe_experts: expected gate_up [E, 2I, H] and down [E, H, I] with H = ", x_.size(1), ", got ",
-                    gu_.sizes(), " and ", dn_.sizes());
-  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
-  TORCH_CHECK_TYPE(dn_.scalar_type() == gu_.scalar_type(), "tonp.moe_experts: gate_up and down dtypes differ");
-  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
-  check_chunks(H, chunks, "moe_experts");
-  check_chunks(I, chunks, "moe_experts");
-  TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.moe_experts: at most ", kMaxChunks, " reduction chunks, got ", chunks);
-  at::Tensor y = at::empty({M, Kk, H}, x_.options());
-  if (R == 0 || H == 0) return y;
-  // Group the rows by expert, stable: counting sort.
-  const at::Tensor ids = ids_.contiguous();
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  std::vector<int64_t> start(E + 1, 0), order(R);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t e = idp[r] - first_expert;
-    TORCH_CHECK_INDEX(e >= 0 && e < E, "tonp.moe_experts: expert id ", idp[r], " is not one of this call's experts [",
-                      first_expert, ", ", first_expert + E, ")");
-    ++start[e + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t r = 0; r < R; ++r) order[fill[idp[r] - first_expert]++] = r;
-  }
-  // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows, even per expert.
-  struct Blk { int64_t e, r0, rows; };
-  std::vector<Blk> blks;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = start[e + 1] - start[e], rb = row_block(n), r0 = start[e]; r0 < start[e + 1]; r0 += rb)
-      blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
-  const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
-  const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2;
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor xg = at::empty({R, H}, f32), gub = at::empty({R, 2 * I}, x.options()), hf = at::empty({R, I}, f32);
-  at::Tensor ys = at::empty({R, H}, x.options());
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  float* xgp = xg.data_ptr<float>();
-  char* gup = static_cast<char*>(gub.data_ptr());
-  float* hfp = hf.data_ptr<float>();
-  char* ysp = static_cast<char*>(ys.data_ptr());
-  char* yp = static_cast<char*>(y.data_ptr());
-  const Kernels* kern = K();
-  // Gather the rows (exact widening to fp32, as linear does with its input).
-  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
-    for (int64_t j = b; j < en; ++j) {
-      const char* src = xp + (order[j] / Kk) * H * xsz;
-      float* dst = xgp + j * H;
-      if (xe == Elem::F32)
-        std::memcpy(dst, src, H * 4);
-      else
-        for (int64_t h = 0; h < H; ++h) dst[h] = c10::BFloat16(reinterpret_cast<const uint16_t*>(src)[h], c10::BFloat16::from_bits());
-    }
-  });
-  // One stage: for every block, rows x (weight[e] [N, Kd] -> out [rows, N] in x's dtype).
-  auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
-    const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
-    at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
-      std::vector<float> scratch(linear_scratch(chunks, Kd, we));
-      for (int64_t t = b; t < en; ++t) {
-        const Blk& k = blks[t / np];
-        const int64_t p = t % np;
-        const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
-        kern->linear_panel(in + k.r0 * Kd, Kd, k.rows, w + (k.e * N + p * kPanel) * Kd * wsz, Kd, we, Kd / chunks, int(chunks),
-                           nullptr, ncols, out + (k.r0 * N + p * kPanel) * xsz, N, xe, scratch.data());
-      }
-    });
-  };
-  stage(xgp, H, static_cast<const char*>(gu.data_ptr()), 2 * I, gup);
-  // silu(gate) * up in x's dtype, then widened to fp32 for the down projection.
-  at::parallel_for(0, R, grain_for(16 * I), [&](int64_t b, int64_t en) {
-    std::vector<uint16_t> hb(xe == Elem::BF16 ? I : 0);
-    for (int64_t j = b; j < en; ++j) {
-      const char* row = gup + j * 2 * I * xsz;
-      if (xe == Elem::F32) {
-        kern->silu_mul(row, row + I * 4, hfp + j * I, I, xe);
-      } else {
-        kern->silu_mul(row, row + I * 2, hb.data(), I, xe);
-        for (int64_t i = 0; i < I; ++i) hfp[j * I + i] = c10::BFloat16(hb[i], c10::BFloat16::from_bits());
-      }
-    }
-  });
-  stage(hfp, I, static_cast<const char*>(dn.data_ptr()), H, ysp);
-  // Back to (token, slot) order.
-  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
-    for (int64_t j = b; j < en; ++j) std::memcpy(yp + order[j] * H * xsz, ysp + j * H * xsz, H * xsz);
-  });
-  return y;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) {
@@ -608,9 +412,6 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("lse_finish", &lse_finish);
   m.impl("max_with_index", &max_with_index);
   m.impl("sample", &sample);
-  m.impl("moe_route", &moe_route);
-  m.impl("moe_combine", &moe_combine);
-  m.impl("moe_experts", &moe_experts);
   m.impl("rope", &rope);
 }
 

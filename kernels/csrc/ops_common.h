@@ -1,0 +1,50 @@
+// Helpers shared by the torch-facing op files (ops.cpp, moe_ops.cpp): the kernel table of this
+// CPU, dtype checks, thread grain and row blocks. Included only by files that use ATen.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "kernels.h"
+
+namespace tonp {
+
+inline const Kernels* K() {
+  // Read at call time so tests can compare the AVX2 and the portable build in one process.
+  const char* force = std::getenv("TONP_FORCE_PORTABLE");
+  if (force && force[0] == '1') return kernels_portable();
+  static const bool avx2 = cpu_has_avx2_fma();
+  return avx2 ? kernels_avx2() : kernels_portable();
+}
+
+inline Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "tonp.", op, ": ", what, " must be a CPU tensor, got ", t.device());
+  if (t.scalar_type() == at::kFloat) return Elem::F32;
+  if (t.scalar_type() == at::kBFloat16) return Elem::BF16;
+  TORCH_CHECK_TYPE(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
+// thread hand-off costs more than it saves. Only the split across threads depends on this,
+// never the arithmetic of an output.
+inline int64_t grain_for(int64_t cost_per_task, int64_t min_work = int64_t(1) << 18) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, cost_per_task));
+}
+
+// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
+// micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
+inline int64_t row_block(int64_t M) {
+  if (M <= 0) return kRowBlock;
+  const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t rb = (M + nb - 1) / nb;
+  return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
+}
+
+inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
+  TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
+  TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
+                    " (the chunk tree needs C | K)");
+}
+
+}  // namespace tonp
