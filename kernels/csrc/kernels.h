@@ -26,10 +26,13 @@ struct AttnQuery {
   int64_t pos;           // the query's position t; keys 0..t are valid
 };
 
-// Scratch floats a linear_panel call needs: finished sums [kRowBlock, 16], chunk partials
-// [chunks, kRowBlock, 16], and for bf16 weights an fp32 copy of the panel [16, K].
-inline int64_t linear_scratch(int64_t chunks, int64_t K, Elem welem) {
-  return int64_t(kRowBlock) * kPanel * (1 + chunks) + (welem == Elem::BF16 ? int64_t(kPanel) * K : 0);
+// Scratch floats a linear_panel call of at most `rows` rows needs: finished sums [rows, 16]; for
+// calls of 8 rows or more (the chunk-by-chunk path) chunk partials [chunks, rows, 16] and, for
+// bf16 weights, an fp32 copy of the panel [16, K]. Sized by the call, so a one-row call touches
+// 64 bytes of scratch, not the 190 KB a 96-row bf16 task needs.
+inline int64_t linear_scratch(int64_t chunks, int64_t K, Elem welem, int64_t rows) {
+  if (rows < 8) return rows * kPanel;
+  return rows * kPanel * (1 + chunks) + (welem == Elem::BF16 ? int64_t(kPanel) * K : 0);
 }
 
 struct Kernels {
@@ -37,7 +40,8 @@ struct Kernels {
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
-  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, welem) floats.
+  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, welem, rows)
+  // floats (uninitialised).
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch);

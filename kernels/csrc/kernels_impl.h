@@ -213,7 +213,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
   float* res = scratch;  // [rows, 16] finished sums
-  float* pbuf = scratch + int64_t(tonp::kRowBlock) * kPanel;  // [chunks, rows, 16] partials
+  float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (rows >= 8 only)
   if (welem == Elem::F32) {
     if (rows < 8)
       linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
@@ -227,7 +227,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
     // when many rows reuse them. Only where the exact fp32 copy of a weight comes from differs
     // from the branch above: the FMAs see the same values in the same order, so the choice can
     // never change a bit (the row-invariance tests cross it).
-    float* wf = pbuf + int64_t(chunks) * tonp::kRowBlock * kPanel;
+    float* wf = pbuf + int64_t(chunks) * rows * kPanel;
     const uint16_t* src = static_cast<const uint16_t*>(W);
     const int64_t K = kc * chunks;
     for (int j = 0; j < ncols; ++j) {

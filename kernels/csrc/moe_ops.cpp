@@ -115,6 +115,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   for (int64_t e = 0; e < E; ++e)
     for (int64_t n = start[e + 1] - start[e], rb = row_block(n), r0 = start[e]; r0 < start[e + 1]; r0 += rb)
       blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
+  int64_t max_rows = 0;
+  for (const Blk& k : blks) max_rows = std::max(max_rows, k.rows);
   const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
   const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2;
   const auto f32 = x.options().dtype(at::kFloat);
@@ -142,13 +144,13 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
     const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
-      std::vector<float> scratch(linear_scratch(chunks, Kd, we));
+      const auto scratch = scratch_floats(linear_scratch(chunks, Kd, we, max_rows));
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
         const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
         kern->linear_panel(in + k.r0 * Kd, Kd, k.rows, w + (k.e * N + p * kPanel) * Kd * wsz, Kd, we, Kd / chunks, int(chunks),
-                           nullptr, ncols, out + (k.r0 * N + p * kPanel) * xsz, N, xe, scratch.data());
+                           nullptr, ncols, out + (k.r0 * N + p * kPanel) * xsz, N, xe, scratch.get());
       }
     });
   };

@@ -60,14 +60,14 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // thread's bandwidth pays for its wake-up.
   at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * kPanel, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(linear_scratch(chunks, Kd, welem));
+    const auto scratch = scratch_floats(linear_scratch(chunks, Kd, welem, std::min(rb, M)));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
       const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
       kern->linear_panel(xp + r0 * Kd, Kd, rows, wp + p * kPanel * Kd * esz, Kd, welem, kc, int(chunks),
                          bp ? bp + p * kPanel : nullptr, ncols, op + (r0 * N + p * kPanel) * osz, N, oelem,
-                         scratch.data());
+                         scratch.get());
     }
   });
   return out;
@@ -153,12 +153,12 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
   float* outp = out.data_ptr<float>();
   const Kernels* kern = K();
   at::parallel_for(0, T * Hkv, grain_for(2 * G * D * (T / std::max<int64_t>(1, S) + 1)), [&](int64_t b, int64_t en) {
-    std::vector<float> scratch(attn_scratch(G, D, block));
+    const auto scratch = scratch_floats(attn_scratch(G, D, block));
     for (int64_t task = b; task < en; ++task) {
       const int64_t t = task / Hkv, h = task % Hkv, s = seq_of[t];
       AttnQuery a{qp + (t * Hq + h * G) * D, outp + (t * Hq + h * G) * D, kp + (cp[s] * Hkv + h) * D * esz,
                   vp + (cp[s] * Hkv + h) * D * esz, nullptr, 0, Hkv * D, t - cp[s]};
-      kern->attention(a, int(G), int(D), int(block), kv, float(scale), scratch.data());
+      kern->attention(a, int(G), int(D), int(block), kv, float(scale), scratch.get());
     }
   });
   return out.to(q_.scalar_type());
@@ -198,12 +198,12 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
   float* outp = out.data_ptr<float>();
   const Kernels* kern = K();
   at::parallel_for(0, Tq * Hkv, grain_for(2 * G * D * (Tq ? qpp[Tq - 1] + 1 : 1)), [&](int64_t b, int64_t en) {
-    std::vector<float> scratch(attn_scratch(G, D, B));
+    const auto scratch = scratch_floats(attn_scratch(G, D, B));
     for (int64_t task = b; task < en; ++task) {
       const int64_t i = task / Hkv, h = task % Hkv;
       AttnQuery a{qp + (i * Hq + h * G) * D, outp + (i * Hq + h * G) * D, kp + h * D * esz, vp + h * D * esz,
                   ptp + qsp[i] * maxp, B * Hkv * D, Hkv * D, qpp[i]};
-      kern->attention(a, int(G), int(D), int(B), kv, float(scale), scratch.data());
+      kern->attention(a, int(G), int(D), int(B), kv, float(scale), scratch.get());
     }
   });
   return out.to(q_.scalar_type());

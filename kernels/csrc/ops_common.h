@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 
 #include "kernels.h"
 
@@ -40,6 +41,10 @@ inline int64_t row_block(int64_t M) {
   const int64_t rb = (M + nb - 1) / nb;
   return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
 }
+
+// Uninitialised scratch for one thread's share of a parallel region (the kernels write before
+// they read; a zero-filled std::vector cost a memset per call on the decode path).
+inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); }
 
 inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
