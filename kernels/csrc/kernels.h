@@ -10,7 +10,7 @@
 namespace tonp {
 
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
-constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 3-row micro tile)
+constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
@@ -27,12 +27,11 @@ struct AttnQuery {
 };
 
 // Scratch floats a linear_panel call of at most `rows` rows needs: finished sums [rows, 16]; for
-// calls of 8 rows or more (the chunk-by-chunk path) chunk partials [chunks, rows, 16] and, for
-// bf16 weights, an fp32 copy of the panel [16, K]. Sized by the call, so a one-row call touches
-// 64 bytes of scratch, not the 190 KB a 96-row bf16 task needs.
-inline int64_t linear_scratch(int64_t chunks, int64_t K, Elem welem, int64_t rows) {
+// calls of 8 rows or more (the chunk-by-chunk path) chunk partials [chunks, rows, 16] and the
+// chunk's weights transposed [kc, 16]. Sized by the call, so a one-row call touches 64 bytes.
+inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows) {
   if (rows < 8) return rows * kPanel;
-  return rows * kPanel * (1 + chunks) + (welem == Elem::BF16 ? int64_t(kPanel) * K : 0);
+  return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
 struct Kernels {
@@ -40,7 +39,7 @@ struct Kernels {
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
-  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, welem, rows)
+  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows)
   // floats (uninitialised).
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,

@@ -39,11 +39,14 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 //
-// Which outputs share a tile (1x8 for one row, 3x4 otherwise, narrower at a panel's edges), the
-// loop order (all chunks of a tile at once, or chunk by chunk over a row block) and where an fp32
-// copy of a bf16 weight comes from are chosen from the task's row count: they change which
-// outputs are computed side by side, never the FMA chains, the hsum tree or the chunk tree of an
-// output. The row-invariance tests (M = 1 ... 301) cross every one of these thresholds.
+// Two layouts compute this. Under 8 rows, dot products: each output's eight lanes in one vector,
+// the weight streamed in place (1x8 tiles for one row, 3x4 for 2-7, narrower at a panel's edges),
+// closed by hsum8. From 8 rows, lane passes: the chunk's weights transposed, and for each lane l
+// an outer product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by
+// the same tree across the eight lane vectors. The layout, the tile, the loop order and the row
+// block are chosen from the task's row count: they change which outputs are computed side by
+// side, never the FMA chains, the hsum tree or the chunk tree of an output. The row-invariance
+// tests (M = 1 ... 301) cross every one of these thresholds.
 // ---------------------------------------------------------------------------------------------
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
 // prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
@@ -137,63 +140,86 @@ static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_
   }
 }
 
-// One chunk of an MR-row tile across `ncols` weight rows, partials into p[r * 16 + n].
+// The many-row path computes the same lane chains transposed. Lane l of output (m, n) is the
+// chain over k = l, l + 8, ... of the chunk (k mod 8 = l, tail included): for a fixed lane that is
+// an outer product, sixteen outputs of a row in two vectors, one broadcast of x[m, k] per k, so a
+// row tile needs no horizontal sum. Each lane's chains go to `lanes`, and the eight lane values
+// of an output are finished by the hsum tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), lane-wise
+// across vectors: exactly the values and the order of dot_chunk, without a horizontal sum per
+// output. wt: the chunk's weights transposed, [kc, 16] (columns past ncols zero).
 template <int MR>
-static inline void chunk_cols(const float* xc, int64_t ldx, const float* wc, int64_t ldw, int64_t kc, int ncols,
-                              float* p) {
-  float t[MR * 4];
-  int n = 0;
-  auto put = [&](int nr) {
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < nr; ++j) p[r * kPanel + n + j] = t[r * nr + j];
-  };
-  for (; n + 4 <= ncols; n += 4) dot_chunk<MR, 4, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(4);
-  switch (ncols - n) {
-    case 3: dot_chunk<MR, 3, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(3); break;
-    case 2: dot_chunk<MR, 2, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(2); break;
-    case 1: dot_chunk<MR, 1, float>(xc, ldx, wc + n * ldw, ldw, kc, 0, t), put(1); break;
-    default: break;
+static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+  float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    V8 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t k = l; k < kc; k += 8) {
+      const V8 w0 = vload(wt + k * kPanel), w1 = vload(wt + k * kPanel + 8);
+      for (int r = 0; r < MR; ++r) {
+        const V8 xb = vset1(xc[r * ldx + k]);
+        acc[r][0] = vfma(xb, w0, acc[r][0]);
+        acc[r][1] = vfma(xb, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      vstore(lanes[l] + r * kPanel, acc[r][0]);
+      vstore(lanes[l] + r * kPanel + 8, acc[r][1]);
+    }
+  }
+  for (int i = 0; i < MR * kPanel; i += 8) {
+    auto L = [&](int l) { return vload(lanes[l] + i); };
+    vstore(part + i, vadd(vadd(vadd(L(0), L(1)), vadd(L(2), L(3))), vadd(vadd(L(4), L(5)), vadd(L(6), L(7)))));
   }
 }
 
-// The many-row path: chunk by chunk, so one chunk of the panel's weights (16 x kc) stays in L1
-// while every row tile of the block passes over it, and the block's x chunk stays in L2. The
-// partials of each (row, column, chunk) are the same values as dot_tile's, finished by the same
-// tree: only the loop order differs from the one-row path, never an output's arithmetic.
-static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const float* W, int64_t ldw, int64_t kc,
-                                int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */) {
-  const int64_t cstride = rows * kPanel;
-  if (kc <= 8) {
-    // A chunk of at most eight products is one lane step: lane l holds fma(x[l], w[l], 0) (0 past
-    // kc) and the partial is the hsum tree over the lanes. Computed transposed, eight outputs to a
-    // vector: P_l = fma(x[l], w[n0..n0+8][l], 0), then the same tree lane-wise: the same values as
-    // dot_chunk, without a horizontal sum per output.
-    float wt[8][kPanel];
-    for (int c = 0; c < chunks; ++c) {
-      for (int l = 0; l < kc; ++l)
-        for (int n = 0; n < kPanel; ++n) wt[l][n] = n < ncols ? W[n * ldw + c * kc + l] : 0.f;
-      float* pc = pbuf + c * cstride;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = x + r * ldx + c * kc;
-        for (int n0 = 0; n0 < kPanel; n0 += 8) {
-          V8 p[8];
-          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xr[l]), vload(wt[l] + n0), vzero()) : vzero();
-          vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
-        }
-      }
+// wt[k, n] = W[n, k] for the panel's ncols <= 16 weight rows and k < kc (columns past ncols
+// zero), widened to fp32: an exact copy, eight by eight through transpose8.
+template <typename T>
+static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t kc, float* wt) {
+  const int64_t k8 = kc / 8 * 8;
+  for (int n0 = 0; n0 < kPanel; n0 += 8) {
+    for (int64_t k = 0; k < k8; k += 8) {
+      V8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = n0 + i < ncols ? vload(W + (n0 + i) * ldw + k) : vzero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) vstore(wt + (k + i) * kPanel + n0, r[i]);
     }
-    chunk_tree(pbuf, cstride, chunks, cstride);
-    for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
-    return;
+    for (int64_t k = k8; k < kc; ++k)
+      for (int i = 0; i < 8; ++i) wt[k * kPanel + n0 + i] = n0 + i < ncols ? to_f32(W[(n0 + i) * ldw + k]) : 0.f;
   }
+}
+
+// The many-row path: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for
+// every row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
+// computes, finished by the same chunk tree: only the loop order differs from the one-row path.
+template <typename T>
+static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
+                                int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
+                                float* wt /* [kc, 16] */) {
+  const int64_t cstride = rows * kPanel;
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
-    const float* wc = W + c * kc;
     float* pc = pbuf + c * cstride;
+    if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
+      for (int64_t l = 0; l < kc; ++l)
+        for (int n = 0; n < kPanel; ++n) wt[l * kPanel + n] = n < ncols ? to_f32(W[n * ldw + c * kc + l]) : 0.f;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int n0 = 0; n0 < kPanel; n0 += 8) {
+          V8 p[8];
+          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xc[r * ldx + l]), vload(wt + l * kPanel + n0), vzero()) : vzero();
+          vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
+        }
+      continue;
+    }
+    transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
     int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) chunk_cols<3>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 2) chunk_cols<2>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
-    if (rows - r == 1) chunk_cols<1>(xc + r * ldx, ldx, wc, ldw, kc, ncols, pc + r * kPanel);
+    for (; r + 4 <= rows; r += 4) lane_tile<4>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel);
+    switch (rows - r) {
+      case 3: lane_tile<3>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
+      case 2: lane_tile<2>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
+      case 1: lane_tile<1>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
+      default: break;
+    }
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
@@ -214,28 +240,18 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
                          Elem oelem, float* scratch) {
   float* res = scratch;  // [rows, 16] finished sums
   float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (rows >= 8 only)
+  float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (rows >= 8 only)
+  // One row streams the weight in place (bf16 widened as it is loaded: half the bytes of fp32);
+  // from 8 rows the weights are transposed a chunk at a time and reused by every row tile.
   if (welem == Elem::F32) {
     if (rows < 8)
       linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
     else
-      linear_rows_blocked(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res, pbuf);
+      linear_rows_blocked(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
   } else if (rows < 8) {
-    // bf16 weights widened as they are loaded: half the bytes of fp32 for decode-sized calls.
     linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
   } else {
-    // bf16 rows widened once per task into [ncols, K] fp32, then read like fp32 weights: cheaper
-    // when many rows reuse them. Only where the exact fp32 copy of a weight comes from differs
-    // from the branch above: the FMAs see the same values in the same order, so the choice can
-    // never change a bit (the row-invariance tests cross it).
-    float* wf = pbuf + int64_t(chunks) * rows * kPanel;
-    const uint16_t* src = static_cast<const uint16_t*>(W);
-    const int64_t K = kc * chunks;
-    for (int j = 0; j < ncols; ++j) {
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8) vstore(wf + j * K + k, vload(src + j * ldw + k));
-      for (; k < K; ++k) wf[j * K + k] = bf16_to_f32(src[j * ldw + k]);
-    }
-    linear_rows_blocked(x, ldx, rows, wf, K, kc, chunks, ncols, res, pbuf);
+    linear_rows_blocked(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {

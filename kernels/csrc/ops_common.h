@@ -33,13 +33,13 @@ inline int64_t grain_for(int64_t cost_per_task, int64_t min_work = int64_t(1) <<
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, cost_per_task));
 }
 
-// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 3-row
+// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 4-row
 // micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
 inline int64_t row_block(int64_t M) {
   if (M <= 0) return kRowBlock;
   const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
   const int64_t rb = (M + nb - 1) / nb;
-  return std::min<int64_t>(kRowBlock, (rb + 2) / 3 * 3);
+  return std::min<int64_t>(kRowBlock, (rb + 3) / 4 * 4);
 }
 
 // Uninitialised scratch for one thread's share of a parallel region (the kernels write before

@@ -79,6 +79,21 @@ inline V8 hsum8(const V8* a) {
   __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
   return {_mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31))};
 }
+// In place: r[i] lane j <- r[j] lane i (an 8 x 8 transpose; moves values, no arithmetic).
+inline void transpose8(V8* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i].v, r[i + 1].v), t[i + 1] = _mm256_unpackhi_ps(r[i].v, r[i + 1].v);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
 #else
 struct V8 {
   float v[8];
@@ -116,6 +131,14 @@ inline V8 hsum8(const V8* a) {
     r.v[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
   }
   return r;
+}
+inline void transpose8(V8* r) {
+  for (int i = 0; i < 8; ++i)
+    for (int j = i + 1; j < 8; ++j) {
+      const float t = r[i].v[j];
+      r[i].v[j] = r[j].v[i];
+      r[j].v[i] = t;
+    }
 }
 #undef TONP_LANES
 #endif
