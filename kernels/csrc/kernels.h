@@ -12,6 +12,7 @@ namespace tonp {
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
 constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
+constexpr int kLaneRows = 8;  // linear tasks of this many rows or more use lane passes (kernels_impl.h)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -30,7 +31,7 @@ struct AttnQuery {
 // calls of 8 rows or more (the chunk-by-chunk path) chunk partials [chunks, rows, 16] and the
 // chunk's weights transposed [kc, 16]. Sized by the call, so a one-row call touches 64 bytes.
 inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows) {
-  if (rows < 8) return rows * kPanel;
+  if (rows < kLaneRows) return rows * kPanel;
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 

@@ -244,11 +244,11 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   // One row streams the weight in place (bf16 widened as it is loaded: half the bytes of fp32);
   // from 8 rows the weights are transposed a chunk at a time and reused by every row tile.
   if (welem == Elem::F32) {
-    if (rows < 8)
+    if (rows < tonp::kLaneRows)
       linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
     else
       linear_rows_blocked(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
-  } else if (rows < 8) {
+  } else if (rows < tonp::kLaneRows) {
     linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
   } else {
     linear_rows_blocked(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
