@@ -28,6 +28,7 @@ CacheFullError before any work is done.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Union
@@ -315,9 +316,9 @@ def _run(model, sched: _Scheduler, max_new_tokens: int, eos: set, stop: set, sam
         stats.prefill_tokens += sum(n for r, n in zip(rows, counts) if r.cached == 0)
         stats.decode_tokens += sum(n for r, n in zip(rows, counts) if r.cached > 0)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
-        last = (cu[1:] - 1).long()                      # only each sequence's last row
+        ends = list(itertools.accumulate(counts))
+        cu = torch.tensor([0] + ends, dtype=torch.int32)
+        last = torch.tensor([e - 1 for e in ends], dtype=torch.int64)  # each sequence's last row
         logits = model(ids, cu, cache=cache, cache_slots=[r.slot for r in rows],
                        logits_rows=last)                                          # (S, V) fp32
         stats.forward_steps += 1

@@ -85,27 +85,27 @@ class PagedKVCache:
         """Allocate pages for `counts[i]` new tokens of sequence `slots[i]` and describe the step."""
         if len(slots) != len(counts) or len(set(slots)) != len(slots):
             raise ValueError("PagedKVCache.prepare: one count per distinct slot")
-        need = sum(self.pages_needed(s, n) for s, n in zip(slots, counts))
+        B = self.page_size
+        new_pages = [self.pages_needed(s, n) for s, n in zip(slots, counts)]
         for s, n in zip(slots, counts):
             if self.lengths[s] + n > self.max_seq_len:
                 raise CacheFullError(f"PagedKVCache: sequence slot {s} would reach "
                                      f"{self.lengths[s] + n} positions > max_seq_len "
                                      f"{self.max_seq_len}")
-        if need > len(self._free_pages):
-            raise CacheFullError(f"PagedKVCache: step needs {need} pages, {len(self._free_pages)} "
-                                 f"free of {self.num_pages}")
+        if sum(new_pages) > len(self._free_pages):
+            raise CacheFullError(f"PagedKVCache: step needs {sum(new_pages)} pages, "
+                                 f"{len(self._free_pages)} free of {self.num_pages}")
         positions, q_seq, rows = [], [], []
-        B = self.page_size
-        for s, n in zip(slots, counts):
-            for _ in range(self.pages_needed(s, n)):
+        for s, n, extra in zip(slots, counts, new_pages):
+            pages = self._pages[s]
+            for _ in range(extra):
                 page = self._free_pages.pop()
-                self.page_table[s, len(self._pages[s])] = page
-                self._pages[s].append(page)
+                self.page_table[s, len(pages)] = page
+                pages.append(page)
             start = self.lengths[s]
-            for p in range(start, start + n):
-                positions.append(p)
-                q_seq.append(s)
-                rows.append(self._pages[s][p // B] * B + p % B)
+            positions.extend(range(start, start + n))
+            q_seq.extend([s] * n)
+            rows.extend(pages[p // B] * B + p % B for p in range(start, start + n))
         return CacheStep(list(slots), list(counts), torch.tensor(positions, dtype=torch.int64),
                          torch.tensor(q_seq, dtype=torch.int32),
                          torch.tensor(rows, dtype=torch.int64))

@@ -179,9 +179,12 @@ class Qwen3MoeForCausalLM(nn.Module):
         T = ids.shape[0]
         cu = torch.tensor([0, T], dtype=torch.int32) if cu_seqlens is None \
             else cu_seqlens.to(torch.int32)
-        counts = (cu[1:] - cu[:-1]).tolist()
-        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != T or min(counts, default=0) < 0:
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {cu.tolist()}")
+        bounds = cu.tolist()  # one read of the boundaries (each tensor op is ~2 us a decode step)
+        if cu.dim() != 1 or not bounds or bounds[0] != 0 or bounds[-1] != T:
+            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        if min(counts, default=0) < 0:
+            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
         self._check_ids(ids)
         attn_kw, step = self._positions(cu, counts, cache, cache_slots)
         positions = attn_kw.pop("positions")
@@ -200,7 +203,8 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         V = self.config.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if int(lo) < 0 or int(hi) >= V:
             bad = ids[(ids < 0) | (ids >= V)].unique()[:8].tolist()
             raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
                              f"range [0, {V})")
