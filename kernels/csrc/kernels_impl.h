@@ -39,14 +39,14 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 //
-// Two layouts compute this. Under 8 rows, dot products: each output's eight lanes in one vector,
-// the weight streamed in place (1x8 tiles for one row, 3x4 for 2-7, narrower at a panel's edges),
-// closed by hsum8. From 8 rows, lane passes: the chunk's weights transposed, and for each lane l
-// an outer product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by
-// the same tree across the eight lane vectors. The layout, the tile, the loop order and the row
-// block are chosen from the task's row count: they change which outputs are computed side by
-// side, never the FMA chains, the hsum tree or the chunk tree of an output. The row-invariance
-// tests (M = 1 ... 301) cross every one of these thresholds.
+// Two layouts compute this. For few rows, dot products: each output's eight lanes in one vector,
+// the weight streamed in place (1x8 tiles for one row, 3x4 for more, narrower at a panel's edges),
+// closed by hsum8. From 8 rows (3 for chunks of at most 8: linear_lane_passes), lane passes: the
+// chunk's weights transposed, and for each lane l an outer product over its k's, sixteen outputs
+// of a row in two vectors (4x16 tiles), closed by the same tree across the eight lane vectors.
+// The layout, the tile, the loop order and the row block are chosen from the task's row count:
+// they change which outputs are computed side by side, never the FMA chains, the hsum tree or
+// the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
 // ---------------------------------------------------------------------------------------------
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
 // prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
@@ -189,9 +189,9 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
-// The many-row path: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for
-// every row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
-// computes, finished by the same chunk tree: only the loop order differs from the one-row path.
+// Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
+// row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
+// computes, finished by the same chunk tree: only the loop order differs from the dot products.
 template <typename T>
 static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
                                 int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
@@ -200,9 +200,8 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
     float* pc = pbuf + c * cstride;
+    transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
     if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
-      for (int64_t l = 0; l < kc; ++l)
-        for (int n = 0; n < kPanel; ++n) wt[l * kPanel + n] = n < ncols ? to_f32(W[n * ldw + c * kc + l]) : 0.f;
       for (int64_t r = 0; r < rows; ++r)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
           V8 p[8];
@@ -211,7 +210,6 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
         }
       continue;
     }
-    transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) lane_tile<4>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel);
     switch (rows - r) {
@@ -239,19 +237,19 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch) {
   float* res = scratch;  // [rows, 16] finished sums
-  float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (rows >= 8 only)
-  float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (rows >= 8 only)
-  // One row streams the weight in place (bf16 widened as it is loaded: half the bytes of fp32);
-  // from 8 rows the weights are transposed a chunk at a time and reused by every row tile.
+  float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (lane passes only)
+  float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
+  // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
+  // bytes of fp32); more rows (linear_lane_passes) run lane passes.
+  const bool lanes = tonp::linear_lane_passes(rows, kc);
   if (welem == Elem::F32) {
-    if (rows < tonp::kLaneRows)
-      linear_rows(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res);
-    else
-      linear_rows_blocked(x, ldx, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
-  } else if (rows < tonp::kLaneRows) {
-    linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
+    const float* w = static_cast<const float*>(W);
+    lanes ? linear_rows_blocked(x, ldx, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   } else {
-    linear_rows_blocked(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res, pbuf, wt);
+    const uint16_t* w = static_cast<const uint16_t*>(W);
+    lanes ? linear_rows_blocked(x, ldx, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {
