@@ -47,12 +47,12 @@ def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_invariance_with_short_chunks(dtype, gen):
-    """Chunks of 3, 5, 8, 12 and 13 elements (K = 24 .. 104 at C = 8): the one-row tiles, the
-    many-row path, its transposed path for chunks of at most 8, and the vector tails all give a
-    row the same bits, in the AVX2 and the portable builds."""
+    """Chunks of 3, 5, 8, 12 and 13 elements (K = 24 .. 104 at C = 8): the dot products (1 and
+    2 rows), the lane passes (from 3 rows when a chunk is at most 8 elements, from 8 otherwise)
+    and the vector tails all give a row the same bits, in the AVX2 and the portable builds."""
     for K, N in ((24, 37), (40, 16), (64, 64), (96, 21), (104, 40)):
         w, b = _weights(K, N, dtype, gen, bias=True)
-        for M in (1, 7, 100):
+        for M in (1, 2, 3, 7, 100):
             check_row_invariance(lambda x: tk.linear(x, w, b),
                                  lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
         x = randn(100, K, dtype=dtype, gen=gen)
