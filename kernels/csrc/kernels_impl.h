@@ -197,10 +197,16 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
                                 int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
                                 float* wt /* [kc, 16] */) {
   const int64_t cstride = rows * kPanel;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
     float* pc = pbuf + c * cstride;
     transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
+    // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
+    // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only.
+    const T* next = c + 1 < chunks ? W + (c + 1) * kc : W + kPanel * ldw;
+    for (int n = 0; n < kPanel; ++n)
+      for (int64_t k = 0; k < kc; k += kLine) prefetch(next + n * ldw + k);
     if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
       for (int64_t r = 0; r < rows; ++r)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
