@@ -23,6 +23,7 @@ transformers both load it in the dtype under test. At most one model is alive at
 """
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
 
+import roofline
 from benchlib import free_memory, log, summarize, timeit_interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -191,14 +193,17 @@ def bench_engines(engines: list, case: Case, stat: str) -> Dict[str, dict]:
         for e in engines:
             e.decode_steps(prompts, min(3, n_new))                     # warm-up
         steps: Dict[str, List[float]] = {e.name: [] for e in engines}
+        probes = [roofline.read_bandwidth_now()]      # the bus as these steps see it
         for _ in range(case.repeat):
             for e in engines:
                 steps[e.name] += e.decode_steps(prompts, n_new)
+            probes.append(roofline.read_bandwidth_now())
         for e in engines:
             step_s = summarize(steps[e.name], stat)
             out[e.name][f"decode_b{batch}"] = {
                 "tok_s": batch / step_s, "step_s": step_s, "steps": len(steps[e.name]),
-                "batch": batch, "context": case.prompt_len + n_new / 2}
+                "batch": batch, "context": case.prompt_len + n_new / 2,
+                "read_GBs": statistics.median(probes), "read_GBs_probes": probes}
             log(f"    {e.name} decode b{batch}: {batch / step_s:.1f} tok/s")
     for what in ("prefill", "train"):
         B, L = getattr(case, what)

@@ -16,7 +16,9 @@ Bounds:
     GEMM rate. bf16 is held to the same fp32 bound: CPUs without AVX512-BF16/AMX convert bf16 to
     fp32 and use fp32 FMAs, so bf16 only halves the bytes.
 The best (minimum-time) of a few repeats is the machine's limit; run_all measures at the start and
-at the end of a run and keeps the best of both (`best_of`).
+at the end of a run and keeps the best of both (`best_of`). A decode measurement also probes the
+read bandwidth between its repeats (`read_bandwidth_now`); its bound uses the median probe, the
+bandwidth of the bus while the steps ran (a neighbour's load moves it by tens of percent).
 """
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ def _bandwidth_times(n: int, kw: dict):
     t_read = min(timeit(lambda: src.sum(), **kw).seconds,
                  timeit(lambda: torch.dot(src, src), **kw).seconds)
     return t_copy, t_read
+
+
+_PROBE: dict = {}
+
+
+def read_bandwidth_now(mib: int = 256) -> float:
+    """GB/s of one read-only pass (x.sum()) over `mib` MiB, the better of two: a probe taken
+    between the repeats of a decode measurement, so its bound sees the memory bus as the decode
+    steps saw it (on a shared machine the bandwidth moves by tens of percent within a run)."""
+    if _PROBE.get("mib") != mib:
+        _PROBE.update(mib=mib, x=torch.ones(mib * 2 ** 20 // 4))
+    x = _PROBE["x"]
+    return x.numel() * 4 / timeit(lambda: x.sum(), repeat=2, stat="min").seconds / 1e9
 
 
 def best_of(*measurements: dict) -> dict:
@@ -135,10 +150,10 @@ def flops_per_token(config, context: float, training: bool = False) -> float:
     return 3 * fwd if training else fwd
 
 
-def decode_bound_tok_s(config, machine: dict, dtype_bytes: int, batch: int,
+def decode_bound_tok_s(config, read_GBs: float, dtype_bytes: int, batch: int,
                        context: float) -> float:
     """Decode tokens/s if a step took exactly its bytes over the read bandwidth."""
-    step_s = decode_bytes(config, dtype_bytes, batch, context) / (machine["read_GBs"] * 1e9)
+    step_s = decode_bytes(config, dtype_bytes, batch, context) / (read_GBs * 1e9)
     return batch / step_s
 
 

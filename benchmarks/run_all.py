@@ -44,8 +44,9 @@ def bound_tok_s(case: mb.Case, dtype: str, metric: str, m: dict, machine: dict) 
     """The roofline tokens/s of a measurement: memory-bound decode, compute-bound prefill and
     training (see roofline.py)."""
     c = case.config
-    if metric.startswith("decode"):
-        return roofline.decode_bound_tok_s(c, machine, BYTES[dtype], m["batch"], m["context"])
+    if metric.startswith("decode"):  # the bandwidth probed beside the steps (older runs: the machine's)
+        return roofline.decode_bound_tok_s(c, m.get("read_GBs", machine["read_GBs"]), BYTES[dtype],
+                                           m["batch"], m["context"])
     L = getattr(case, metric)[1]
     return roofline.compute_bound_tok_s(c, machine, (L + 1) / 2, training=metric == "train")
 
@@ -128,11 +129,17 @@ def case_table(case: mb.Case, run: dict, machine: dict) -> str:
                          fmt(tor[metric]["tok_s"]), fmt(hf[metric]["tok_s"]),
                          fmt_ratio(inv[metric]["tok_s"] / tor[metric]["tok_s"]),
                          fmt_ratio(inv[metric]["tok_s"] / hf[metric]["tok_s"]),
-                         f"{fmt(b)} ({'memory' if metric.startswith('decode') else 'compute'})",
+                         f"{fmt(b)} ({_bound_kind(metric, inv[metric])})",
                          _pct(inv[metric]["tok_s"] / b), _pct(tor[metric]["tok_s"] / b)])
     return md_table(["measurement", "dtype", "tonp invariant tok/s", "tonp torch tok/s",
                      "transformers tok/s", "invariant / torch", "invariant / transformers",
                      "bound tok/s", "invariant % of bound", "torch % of bound"], rows)
+
+
+def _bound_kind(metric: str, m: dict) -> str:
+    if not metric.startswith("decode"):
+        return "compute"
+    return f"memory, {m['read_GBs']:.1f} GB/s" if "read_GBs" in m else "memory"
 
 
 def _pct(f: float) -> str:
@@ -168,8 +175,10 @@ def markdown(meta, machine, cases, runs, store, extra) -> str:
             f"best kept.",
             "Decode is bounded by the active weights it streams (attention, router, top-k "
             "experts, LM head; batch 16: experts expected under uniform routing) plus its KV "
-            "reads, over the read bandwidth; prefill and training by FLOPs per token over the "
-            "fp32 GEMM rate (bf16 too: this CPU has no bf16 FMA).", ""]
+            "reads, over the read bandwidth probed between that measurement's repeats (the "
+            "median probe, shown in the bound column: a neighbour's load on this shared machine "
+            "moves the bandwidth by tens of percent within a run); prefill and training by "
+            "FLOPs per token over the fp32 GEMM rate (bf16 too: this CPU has no bf16 FMA).", ""]
     for case, run in zip(cases, runs):
         c = case.config
         info = run["info"]

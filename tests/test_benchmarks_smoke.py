@@ -27,6 +27,9 @@ def test_run_all_smoke_writes_report(tmp_path):
     for engine in res.values():
         assert set(engine) == {"decode_b1", "decode_b16", "prefill", "train"}
         assert all(m["tok_s"] > 0 for m in engine.values())
+        # decode bounds use the bandwidth probed between that measurement's repeats
+        assert all(engine[d]["read_GBs"] > 0 for d in ("decode_b1", "decode_b16"))
+    assert "(memory, " in md and " GB/s) |" in md
     assert {t["metric"] for t in data["targets"]} == {"decode_b1", "decode_b16", "train"}
     json.loads((tmp_path / "latest_smoke.json").read_text())
 
