@@ -203,10 +203,13 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
     float* pc = pbuf + c * cstride;
     transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
     // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
-    // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only.
-    const T* next = c + 1 < chunks ? W + (c + 1) * kc : W + kPanel * ldw;
+    // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
+    // the addresses are integers (past the last panel they may lie outside W; a prefetch never
+    // faults, and no out-of-range pointer is formed).
+    const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
     for (int n = 0; n < kPanel; ++n)
-      for (int64_t k = 0; k < kc; k += kLine) prefetch(next + n * ldw + k);
+      for (int64_t k = 0; k < kc; k += kLine)
+        prefetch(reinterpret_cast<const void*>(next + sizeof(T) * uintptr_t(n * ldw + k)));
     if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
       for (int64_t r = 0; r < rows; ++r)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
