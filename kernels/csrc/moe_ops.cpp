@@ -17,7 +17,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k, bool normalize) {
   TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E], got ", x_.sizes());
   elem_of(x_, "moe_route", "router_logits");
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const at::Tensor x = f32_contiguous(x_);
   const int64_t M = x.size(0), E = x.size(1);
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, "tonp.moe_route: top_k=", top_k, " outside [1, ", E, "]");
   at::Tensor ids = at::empty({M, top_k}, x.options().dtype(at::kLong)), w = at::empty({M, top_k}, x.options());

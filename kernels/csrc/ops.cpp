@@ -28,7 +28,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   elem_of(x_, "linear", "x");
   const Elem welem = elem_of(w, "linear", "weight");
   const at::ScalarType odt = out_dtype.value_or(x_.scalar_type());
-  const Elem oelem = elem_of(at::empty({0}, x_.options().dtype(odt)), "linear", "out_dtype");
+  const Elem oelem = elem_of(odt, "linear", "out_dtype");
   const int64_t M = x_.size(0), Kd = x_.size(1), N = w.size(0);
   check_chunks(Kd, chunks, "linear");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.linear: at most ", kMaxChunks, " reduction chunks, got ", chunks);
@@ -45,7 +45,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     if (bias_f.defined()) out.add_(bias_f.to(odt));
     return out;
   }
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const at::Tensor x = f32_contiguous(x_);
   // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
   // (optimizer step, .data copy, inference tensor) is always seen.
   const at::Tensor wc = w.contiguous();

@@ -26,6 +26,27 @@ inline Elem elem_of(const at::Tensor& t, const char* op, const char* what) {
   TORCH_CHECK_TYPE(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// The same check for an output dtype (no tensor to look at).
+inline Elem elem_of(at::ScalarType t, const char* op, const char* what) {
+  if (t == at::kFloat) return Elem::F32;
+  if (t == at::kBFloat16) return Elem::BF16;
+  TORCH_CHECK_TYPE(false, "tonp.", op, ": ", what, " must be float32 or bfloat16, got ", t);
+}
+
+// t as a contiguous fp32 tensor: t itself when it already is one; a contiguous bf16 tensor is
+// widened by a plain loop (exact; a TensorIterator copy costs microseconds of set-up, which a
+// one-row decode call feels); anything else goes through torch.
+inline at::Tensor f32_contiguous(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
+  if (t.scalar_type() != at::kBFloat16 || !t.is_contiguous() || t.numel() > (int64_t(1) << 16))
+    return t.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  const uint16_t* src = static_cast<const uint16_t*>(t.data_ptr());
+  uint32_t* dst = static_cast<uint32_t*>(out.data_ptr());
+  for (int64_t i = 0, n = t.numel(); i < n; ++i) dst[i] = uint32_t(src[i]) << 16;
+  return out;
+}
+
 // Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
 // thread hand-off costs more than it saves. Only the split across threads depends on this,
 // never the arithmetic of an output.
