@@ -54,6 +54,11 @@ def _(logits):
     return v, logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
+@torch.library.register_fake(_lib + "token_logprobs")
+def _(logits, targets, temperature, chunks):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.register_fake(_lib + "sample")
 def _(logits, temperature, top_k, top_p, seed, request_ids, positions):
     return logits.new_empty(logits.shape[:-1], dtype=torch.int64)

@@ -266,6 +266,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
         raise ValueError(f"tonp.token_logprobs: targets {tuple(targets.shape)} do not match "
                          f"logits {tuple(logits.shape)}")
     V = logits.shape[-1]
+    if _mode._mode == "invariant" and not (logits.requires_grad and torch.is_grad_enabled()) \
+            and not torch.compiler.is_compiling():
+        # One op, the same lse and subtraction fused (the rollout's pick); the C++ op checks
+        # dtype, chunks and target range.
+        _check_cpu("token_logprobs", logits)
+        if logits.dim() == 2:
+            return _TOKEN_LOGPROBS(logits, targets, float(temperature), chunks)
+        out = _TOKEN_LOGPROBS(logits.reshape(-1, V), targets.reshape(-1), float(temperature),
+                              chunks)
+        return out.reshape(targets.shape)
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise IndexError(f"tonp.token_logprobs: target id out of range [0, {V})")
     if not _invariant():
@@ -283,9 +293,11 @@ def target_logit(logits: torch.Tensor, targets: torch.Tensor, *,
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of the maximum over the last dim; the lowest index wins ties. -> int64 [...]."""
-    if not _invariant():
+    if _mode._mode != "invariant":
         return stock.argmax(logits)
-    _check_float("argmax", logits)
+    if logits.dim() == 2:  # the generator's [S, V]: one op call (it checks the dtype)
+        _check_cpu("argmax", logits)
+        return _MAX_WITH_INDEX(logits)[1]
     return max_with_index(logits)[1]
 
 
@@ -365,6 +377,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
 _LINEAR, _RMS_NORM, _SILU_MUL = _op("linear"), _op("rms_norm"), _op("silu_mul")
 _MOE_ROUTE, _MOE_COMBINE, _MOE_EXPERTS = _op("moe_route"), _op("moe_combine"), _op("moe_experts")
 _ATTENTION_PAGED, _ROPE = _op("attention_paged"), _op("rope")
+_TOKEN_LOGPROBS, _MAX_WITH_INDEX = _op("token_logprobs"), _op("max_with_index")
 
 __all__ = [
     "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm", "silu_mul",

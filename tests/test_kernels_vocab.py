@@ -76,6 +76,18 @@ def test_vocab_shards_finish_to_the_same_bits(temperature, dtype, gen):
                        f"token_logprobs over {P} shards")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+def test_fused_rollout_logprobs_equal_the_differentiable_path(temperature, dtype, gen):
+    """Without a gradient to track (the rollout's pick), token_logprobs is one fused op; with one
+    (training), lse + gather + subtraction under autograd. Same bits, any leading shape."""
+    x, t = _logits(2 * 19, dtype, gen).reshape(2, 19, -1), _targets(2 * 19, gen).reshape(2, 19)
+    fused = tk.token_logprobs(x, t, temperature=temperature)
+    tracked = tk.token_logprobs(x.clone().requires_grad_(), t, temperature=temperature)
+    assert tracked.requires_grad and fused.shape == t.shape
+    assert_bitwise(fused, tracked.detach(), f"fused vs autograd token_logprobs ({dtype})")
+
+
 def test_stock_shard_combination_differs_from_one_call(torch_mode, gen):
     """The twin: stock torch's logsumexp of shard logsumexps is not its one-call logsumexp."""
     x = _logits(200, torch.float32, gen)

@@ -93,7 +93,7 @@ class _Request:
     request_id: int               # the key of its sampling noise
     tokens: List[int]             # prompt + generated so far
     prompt_len: int
-    logprobs: List[torch.Tensor] = field(default_factory=list)   # fp32 [1] each
+    logprobs: List[float] = field(default_factory=list)   # fp32 values (exact as floats)
     slot: Optional[int] = None    # cache slot while running
     cached: int = 0               # tokens whose K/V are in the cache
     finish: Optional[str] = None
@@ -297,7 +297,7 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
     stats.seconds = time.perf_counter() - start
     return GenerationOutput(
         sequences=[torch.tensor(r.tokens, dtype=torch.int64) for r in reqs],
-        logprobs=[torch.cat(r.logprobs) if r.logprobs else torch.zeros(0) for r in reqs],
+        logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in reqs],
         prompt_lengths=[r.prompt_len for r in reqs],
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
 
@@ -323,7 +323,7 @@ def _run(model, sched: _Scheduler, max_new_tokens: int, eos: set, stop: set, sam
                        logits_rows=last)                                          # (S, V) fp32
         stats.forward_steps += 1
         chosen, lps = _pick(logits, rows, sampling)
-        for r, tok, lp in zip(rows, chosen.tolist(), lps.split(1)):
+        for r, tok, lp in zip(rows, chosen.tolist(), lps.tolist()):  # fp32 -> float: exact
             r.cached = len(r.tokens)
             r.tokens.append(tok)
             r.logprobs.append(lp)

@@ -13,6 +13,7 @@ TORCH_LIBRARY(tonp, m) {
   m.def("lse_partial(Tensor logits, float temperature, int chunks) -> (Tensor, Tensor)");
   m.def("lse_finish(Tensor maxes, Tensor sums) -> Tensor");
   m.def("max_with_index(Tensor logits) -> (Tensor, Tensor)");
+  m.def("token_logprobs(Tensor logits, Tensor targets, float temperature, int chunks) -> Tensor");
   m.def("sample(Tensor logits, float temperature, int top_k, float top_p, int seed, "
         "Tensor request_ids, Tensor positions) -> Tensor");
   m.def("moe_route(Tensor router_logits, int top_k, bool normalize) -> (Tensor, Tensor)");

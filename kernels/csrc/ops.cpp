@@ -225,6 +225,9 @@ void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
     }
 }
 
+// logsumexp from the finished (max, sum) pair.
+inline float lse_value(float m, float s) { return m == -INFINITY ? -INFINITY : m + std::log(s); }
+
 std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temperature, int64_t chunks) {
   TORCH_CHECK(x_.dim() == 2, "tonp.lse_partial: logits must be [M, V]");
   const Elem e = elem_of(x_, "lse_partial", "logits");
@@ -262,16 +265,54 @@ at::Tensor lse_finish(const at::Tensor& maxes_, const at::Tensor& sums_) {
     std::copy_n(mt.data_ptr<float>() + r * P, P, mc.data());
     std::copy_n(st.data_ptr<float>() + r * P, P, sc.data());
     lse_tree(mc.data(), sc.data(), P, kern);
-    out.data_ptr<float>()[r] = mc[0] == -INFINITY ? -INFINITY : mc[0] + std::log(sc[0]);
+    out.data_ptr<float>()[r] = lse_value(mc[0], sc[0]);
   }
+  return out;
+}
+
+// log p(target) of each row: the target's logit / T minus logsumexp(logits / T), in fp32, the
+// same operations as lse_partial -> lse_finish (one partial) -> logit - lse: one call instead of
+// a dozen on the rollout path, identical bits (tests/test_vocab_ops.py).
+at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double temperature, int64_t chunks) {
+  TORCH_CHECK_VALUE(x_.dim() == 2 && t_.dim() == 1 && t_.size(0) == x_.size(0), "tonp.token_logprobs: expected logits [M, V] "
+                    "and targets [M], got ", x_.sizes(), " and ", t_.sizes());
+  const Elem e = elem_of(x_, "token_logprobs", "logits");
+  TORCH_CHECK_TYPE(!at::isFloatingType(t_.scalar_type()) && t_.scalar_type() != at::kBool,
+                   "tonp.token_logprobs: targets must be integer token ids, got ", t_.scalar_type());
+  TORCH_CHECK_VALUE(temperature > 0, "tonp.token_logprobs: temperature must be positive");
+  const int64_t M = x_.size(0), V = x_.size(1);
+  check_chunks(V, chunks, "token_logprobs");
+  TORCH_CHECK_VALUE(V > 0 || M == 0, "tonp.token_logprobs: empty vocabulary");
+  const at::Tensor x = x_.contiguous(), t = t_.to(at::kLong).contiguous();
+  const int64_t* tp = t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "tonp.token_logprobs: target id out of range [0, ", V, "): ", tp[r]);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kFloat));
+  const int64_t esz = e == Elem::F32 ? 4 : 2;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  float* op = out.data_ptr<float>();
+  const float T = float(temperature);
+  const Kernels* kern = K();
+  at::parallel_for(0, M, grain_for(16 * V), [&](int64_t b, int64_t en) {
+    std::vector<float> mc(chunks), sc(chunks);
+    for (int64_t r = b; r < en; ++r) {
+      const char* row = xp + r * V * esz;
+      kern->lse_chunks(row, V, e, T, int(chunks), mc.data(), sc.data());
+      lse_tree(mc.data(), sc.data(), chunks, kern);
+      const float logit = e == Elem::F32 ? reinterpret_cast<const float*>(row)[tp[r]]
+                                         : float(c10::BFloat16(reinterpret_cast<const uint16_t*>(row)[tp[r]],
+                                                               c10::BFloat16::from_bits()));
+      const float scaled = temperature != 1.0 ? logit / T : logit;
+      op[r] = scaled - lse_value(mc[0], sc[0]);
+    }
+  });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x_) {
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "tonp.max_with_index: logits must be [M, V] with V > 0");
-  const Elem e = elem_of(x_, "max_with_index", "logits");
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
-  (void)e;
+  elem_of(x_, "max_with_index", "logits");
+  const at::Tensor x = f32_contiguous(x_);
   const int64_t M = x.size(0), V = x.size(1);
   at::Tensor val = at::empty({M}, x.options()), idx = at::empty({M}, x.options().dtype(at::kLong));
   at::parallel_for(0, M, grain_for(V), [&](int64_t b, int64_t en) {
@@ -411,6 +452,7 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("lse_partial", &lse_partial);
   m.impl("lse_finish", &lse_finish);
   m.impl("max_with_index", &max_with_index);
+  m.impl("token_logprobs", &token_logprobs);
   m.impl("sample", &sample);
   m.impl("rope", &rope);
 }
