@@ -12,7 +12,8 @@ namespace tonp {
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
 constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
-constexpr int kLaneRows = 8;  // linear tasks of this many rows or more run lane passes (kernels_impl.h)
+constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
+constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -28,15 +29,16 @@ struct AttnQuery {
 };
 
 // Whether a linear task of `rows` rows with chunks of kc runs lane passes (kernels_impl.h): from
-// kLaneRows rows, and from 3 rows when a chunk is one lane step (kc <= 8), where a dot product
-// is mostly its horizontal sum. Measured on the project's CPU; the choice never changes a bit.
-inline bool linear_lane_passes(int64_t rows, int64_t kc) { return rows >= kLaneRows || (kc <= 8 && rows >= 3); }
+// kLaneRows rows (fp32 weights) or kLaneRowsBf16 (bf16: the dot products widen each weight as
+// they stream it, the lane passes only in their transpose, which few rows do not amortise), and
+// from 3 rows when a chunk is one lane step (kc <= 8), where a dot product is mostly its
+// horizontal sum. Measured on the project's CPU; the choice never changes a bit.
+inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w) {
+  return rows >= (w == Elem::BF16 ? kLaneRowsBf16 : kLaneRows) || (kc <= 8 && rows >= 3);
+}
 
-// Scratch floats a linear_panel call of at most `rows` rows needs: finished sums [rows, 16]; for
-// lane passes also chunk partials [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
-// Sized by the call, so a one-row call on a large weight touches 64 bytes.
-inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows) {
-  if (!linear_lane_passes(rows, K / chunks)) return rows * kPanel;
+inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
+  if (!linear_lane_passes(rows, K / chunks, w)) return rows * kPanel;
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 

@@ -41,9 +41,10 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 //
 // Two layouts compute this. For few rows, dot products: each output's eight lanes in one vector,
 // the weight streamed in place (1x8 tiles for one row, 3x4 for more, narrower at a panel's edges),
-// closed by hsum8. From 8 rows (3 for chunks of at most 8: linear_lane_passes), lane passes: the
-// chunk's weights transposed, and for each lane l an outer product over its k's, sixteen outputs
-// of a row in two vectors (4x16 tiles), closed by the same tree across the eight lane vectors.
+// closed by hsum8. From 8 rows (20 with bf16 weights, 3 for chunks of at most 8:
+// linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
+// product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
+// tree across the eight lane vectors.
 // The layout, the tile, the loop order and the row block are chosen from the task's row count:
 // they change which outputs are computed side by side, never the FMA chains, the hsum tree or
 // the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
@@ -255,7 +256,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
   // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
   // bytes of fp32); more rows (linear_lane_passes) run lane passes.
-  const bool lanes = tonp::linear_lane_passes(rows, kc);
+  const bool lanes = tonp::linear_lane_passes(rows, kc, welem);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);
     lanes ? linear_rows_blocked(x, ldx, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)

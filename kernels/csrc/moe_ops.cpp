@@ -144,7 +144,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
     const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
-      const auto scratch = scratch_floats(linear_scratch(chunks, Kd, max_rows));
+      const auto scratch = scratch_floats(linear_scratch(chunks, Kd, max_rows, we));
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;

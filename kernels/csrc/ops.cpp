@@ -60,7 +60,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // thread's bandwidth pays for its wake-up.
   at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * kPanel, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
                    [&](int64_t begin, int64_t end) {
-    const auto scratch = scratch_floats(linear_scratch(chunks, Kd, std::min(rb, M)));
+    const auto scratch = scratch_floats(linear_scratch(chunks, Kd, std::min(rb, M), welem));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
