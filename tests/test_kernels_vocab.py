@@ -271,6 +271,10 @@ def test_empty_batches_and_bad_inputs(gen):
         tk.token_logprobs(x, torch.zeros(4, dtype=torch.long))
     with pytest.raises(IndexError, match="out of range"):
         tk.token_logprobs(x, torch.tensor([0, 64, 1]))
+    with pytest.raises(IndexError, match="out of range"):
+        tk.token_logprobs(x, torch.tensor([0, -1, 1]))
+    with pytest.raises(TypeError, match="integer token ids"):
+        tk.token_logprobs(x, torch.zeros(3))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         tk.log_softmax(x.half())
     with pytest.raises(RuntimeError, match="CPU"):

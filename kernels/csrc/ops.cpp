@@ -279,7 +279,7 @@ at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double tem
   TORCH_CHECK_VALUE(x_.dim() == 2 && t_.dim() == 1 && t_.size(0) == x_.size(0), "tonp.token_logprobs: expected logits [M, V] "
                     "and targets [M], got ", x_.sizes(), " and ", t_.sizes());
   const Elem e = elem_of(x_, "token_logprobs", "logits");
-  TORCH_CHECK_TYPE(!at::isFloatingType(t_.scalar_type()) && t_.scalar_type() != at::kBool,
+  TORCH_CHECK_TYPE(at::isIntegralType(t_.scalar_type(), /*includeBool=*/false),
                    "tonp.token_logprobs: targets must be integer token ids, got ", t_.scalar_type());
   TORCH_CHECK_VALUE(temperature > 0, "tonp.token_logprobs: temperature must be positive");
   const int64_t M = x_.size(0), V = x_.size(1);
