@@ -14,8 +14,9 @@ Prints a markdown table and writes benchmarks/results/kernels.md and kernels.jso
 Each row says whether the issue's target is met (issue 2): at M >= 512 tonp fp32 >= 70% and tonp
 bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
 decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
-(fewer for slow calls, up to 300 for calls under a fifth of a millisecond). Stock bf16 GEMM is very slow on CPUs without AMX/AVX512-BF16, so its
-large shapes are skipped when a call would take longer than --max-call-s (the table says so).
+(fewer for slow calls, up to 300 for calls under a fifth of a millisecond). Stock bf16 GEMM is
+very slow on CPUs without AMX/AVX512-BF16, so its large shapes are skipped when a call would take
+longer than --max-call-s (the table says so).
 """
 from __future__ import annotations
 

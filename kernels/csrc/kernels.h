@@ -37,6 +37,9 @@ inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w) {
   return rows >= (w == Elem::BF16 ? kLaneRowsBf16 : kLaneRows) || (kc <= 8 && rows >= 3);
 }
 
+// Scratch floats a linear_panel call of at most `rows` rows needs: finished sums [rows, 16]; for
+// lane passes also chunk partials [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
+// Sized by the call, so a one-row call on a large weight touches 64 bytes.
 inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
   if (!linear_lane_passes(rows, K / chunks, w)) return rows * kPanel;
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);

@@ -274,7 +274,7 @@ at::Tensor lse_finish(const at::Tensor& maxes_, const at::Tensor& sums_) {
 
 // log p(target) of each row: the target's logit / T minus logsumexp(logits / T), in fp32, the
 // same operations as lse_partial -> lse_finish (one partial) -> logit - lse: one call instead of
-// a dozen on the rollout path, identical bits (tests/test_vocab_ops.py).
+// a dozen on the rollout path, identical bits (tests/test_kernels_vocab.py).
 at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double temperature, int64_t chunks) {
   TORCH_CHECK_VALUE(x_.dim() == 2 && t_.dim() == 1 && t_.size(0) == x_.size(0), "tonp.token_logprobs: expected logits [M, V] "
                     "and targets [M], got ", x_.sizes(), " and ", t_.sizes());
