@@ -14,9 +14,11 @@ Prints a markdown table and writes benchmarks/results/kernels.md and kernels.jso
 Each row says whether the issue's target is met (issue 2): at M >= 512 tonp fp32 >= 70% and tonp
 bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
 decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
-(fewer for slow calls, up to 300 for calls under a fifth of a millisecond). Stock bf16 GEMM is
-very slow on CPUs without AMX/AVX512-BF16, so its large shapes are skipped when a call would take
-longer than --max-call-s (the table says so).
+(fewer for slow calls, up to 300 for calls under a fifth of a millisecond). From M = 8 the torch
+fp32 baseline and the two tonp runs are sampled in turn for about three seconds (at least
+--repeat rounds), so a load that drifts during the run falls on all three alike. Stock bf16 GEMM
+is very slow on CPUs without AMX/AVX512-BF16, so its large shapes are skipped when a call would
+take longer than --max-call-s (the table says so).
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ STAT = statistics.median  # --stat min: the least disturbed run, on a shared (lo
 
 
 SHORT_S, MAX_SAMPLES = 0.05, 300  # a short call is timed for ~SHORT_S, up to MAX_SAMPLES times
+ROUNDS_S = 3.0  # interleaved candidates are sampled in turn for about this long (>= --repeat rounds)
 
 
 def timeit(fn, *, repeat: int, max_total_s: float) -> float:
@@ -91,6 +94,27 @@ def timeit(fn, *, repeat: int, max_total_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return STAT(times)
+
+
+def timeit_interleaved(fns: dict, *, repeat: int, max_total_s: float) -> dict:
+    """Seconds per call of each fn (median, or min with --stat min), their samples taken in turn
+    (a, b, c, a, b, c, ...) for about ROUNDS_S: a load that drifts during the run weighs on every
+    candidate alike, so their ratio holds where back-to-back blocks of samples would each catch a
+    different load."""
+    first = {}
+    for name, fn in fns.items():  # warm-up, and the cost of one round
+        t0 = time.perf_counter()
+        fn()
+        first[name] = max(time.perf_counter() - t0, 1e-9)
+    per_round = sum(first.values())
+    n = max(1, min(max(repeat, min(MAX_SAMPLES, int(ROUNDS_S / per_round))), int(max_total_s / per_round)))
+    times = {name: [] for name in fns}
+    for _ in range(n):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: STAT(ts) for name, ts in times.items()}
 
 
 def copy_bandwidth(quick: bool, repeat: int = 5) -> float:
@@ -116,8 +140,16 @@ def bench_linear(args, built: bool, copy_gbs: float) -> list[dict]:
             r = {"op": "linear", "shape": name, "M": M, "K": K, "N": N}
             rate = lambda t: flop / t / 1e9  # noqa: E731
             ws32, ws16 = (cold32, cold16) if M == 1 else ([w32], [w16])
-            r["torch_fp32"] = rate(timeit(cycle(lambda w: F.linear(x32, w), ws32),
-                                          repeat=args.repeat, max_total_s=args.max_total_s))
+            if built and M > 1:
+                # Compute-bound rows: the baseline and both tonp runs sampled in turn.
+                ts = timeit_interleaved(
+                    {"torch_fp32": lambda: F.linear(x32, w32), "tonp_fp32": lambda: tk.linear(x32, w32),
+                     "tonp_bf16": lambda: tk.linear(x16, w16)},
+                    repeat=args.repeat, max_total_s=3 * args.max_total_s)
+                r.update({k: rate(t) for k, t in ts.items()})
+            else:
+                r["torch_fp32"] = rate(timeit(cycle(lambda w: F.linear(x32, w), ws32),
+                                              repeat=args.repeat, max_total_s=args.max_total_s))
             predicted = flop / 1e9 / torch_bf16_gflops[name] if name in torch_bf16_gflops else 0
             if predicted > args.max_call_s:
                 r["torch_bf16"] = None
@@ -126,23 +158,21 @@ def bench_linear(args, built: bool, copy_gbs: float) -> list[dict]:
                 r["torch_bf16"] = rate(timeit(cycle(lambda w: F.linear(x16, w), ws16),
                                               repeat=args.repeat, max_total_s=args.max_total_s))
                 torch_bf16_gflops[name] = r["torch_bf16"]
-            if built:
+            if built and M == 1:
                 # A one-row row is judged against the copy bandwidth of this moment: the better
                 # of copies timed just before and just after it (the bus moves by tens of
                 # percent within a run on a shared machine).
-                probes = [copy_bandwidth(True, repeat=3)] if M == 1 else []
+                probes = [copy_bandwidth(True, repeat=3)]
                 for tag, x, ws in (("tonp_fp32", x32, ws32), ("tonp_bf16", x16, ws16)):
-                    if M == 1:  # pack every copy before timing (packing is cached per weight)
-                        for w in ws:
-                            tk.linear(x, w)
+                    for w in ws:  # touch every copy once before timing
+                        tk.linear(x, w)
                     t = timeit(cycle(lambda w: tk.linear(x, w), ws), repeat=args.repeat,
                                max_total_s=args.max_total_s)
                     r[tag] = rate(t)
-                    if M == 1:  # a GEMV streams the weight once: compare with the copy bandwidth
-                        r[tag + "_GBs"] = ws[0].numel() * ws[0].element_size() / t / 1e9
-                if M == 1:
-                    probes.append(copy_bandwidth(True, repeat=3))
-                    r["copy_GBs_probed"] = max(probes)
+                    # A GEMV streams the weight once: compare with the copy bandwidth.
+                    r[tag + "_GBs"] = ws[0].numel() * ws[0].element_size() / t / 1e9
+                probes.append(copy_bandwidth(True, repeat=3))
+                r["copy_GBs_probed"] = max(probes)
             r.update(linear_targets(r, r.get("copy_GBs_probed", copy_gbs)))
             rows.append(r)
             print_progress(r)
@@ -243,7 +273,8 @@ def markdown(linear_rows, attn_rows, meta) -> str:
     out = [f"# tonp kernel benchmark ({meta['date']})", "",
            f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
            f"memory copy {meta['copy_GBs']:.2f} GB/s (read + write). "
-           f"{meta['stat'].capitalize()} of up to {meta['repeat']} runs after a warm-up; "
+           f"{meta['stat'].capitalize()} of the samples after a warm-up (at least {meta['repeat']}; from "
+           f"M = 8, torch fp32 and tonp sampled in turn for ~{ROUNDS_S:.0f} s); "
            f"load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after"
            + (" (**the machine was busy: timings are unreliable**)."
               if meta["load_before"] > os.cpu_count() else ".")  # "after" counts this run's threads
