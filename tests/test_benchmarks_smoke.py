@@ -46,3 +46,24 @@ def test_roofline_counts_active_weights():
     assert roofline.expected_distinct_experts(c, 16) < 128
     assert roofline.flops_per_token(c, 10, training=True) == \
         3 * roofline.flops_per_token(c, 10)
+
+
+def test_kernel_benchmark_samples_candidates_in_turn():
+    """benchmarks/kernels.py times the baseline and tonp round by round (a, b, c, a, b, c, ...),
+    so a drifting load falls on all of them alike. Checks the order and count of the calls, not
+    any timing."""
+    # Loaded under its own name: a module called `kernels` in sys.modules would shadow Hugging
+    # Face's `kernels` package, which transformers probes.
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("tonp_bench_kernels", path)
+    kbench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kbench)
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("torch_fp32", "tonp_fp32", "tonp_bf16")}
+    out = kbench.timeit_interleaved(fns, repeat=4, max_total_s=10.0)
+    assert set(out) == set(fns) and all(t > 0 for t in out.values())
+    names = list(fns)
+    rounds = len(calls) // len(names)
+    assert rounds >= 1 + 4 and len(calls) == rounds * len(names)  # the warm-up round, then >= repeat
+    assert calls == names * rounds
