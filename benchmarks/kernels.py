@@ -141,7 +141,7 @@ def bench_linear(args, built: bool, copy_gbs: float) -> list[dict]:
             rate = lambda t: flop / t / 1e9  # noqa: E731
             ws32, ws16 = (cold32, cold16) if M == 1 else ([w32], [w16])
             if built and M > 1:
-                # Compute-bound rows: the baseline and both tonp runs sampled in turn.
+                # From 8 rows (warm weights): the baseline and both tonp runs sampled in turn.
                 ts = timeit_interleaved(
                     {"torch_fp32": lambda: F.linear(x32, w32), "tonp_fp32": lambda: tk.linear(x32, w32),
                      "tonp_bf16": lambda: tk.linear(x16, w16)},
