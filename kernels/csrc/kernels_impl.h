@@ -71,8 +71,10 @@ static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t 
   constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   int64_t k = 0;
   for (; k + kLine <= k8; k += kLine) {
-    if (prefetch_ahead)
-      for (int n = 0; n < NR; ++n) prefetch(wc + (n + prefetch_ahead) * ldw + k);
+    if (prefetch_ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
+      for (int n = 0; n < NR; ++n)
+        prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(wc) +
+                                               sizeof(T) * uintptr_t((n + prefetch_ahead) * ldw + k)));
     for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
   }
   for (; k < k8; k += 8) step(k);
