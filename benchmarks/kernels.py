@@ -81,13 +81,19 @@ SHORT_S, MAX_SAMPLES = 0.05, 300  # a short call is timed for ~SHORT_S, up to MA
 ROUNDS_S = 3.0  # interleaved candidates are sampled in turn for about this long (>= --repeat rounds)
 
 
+def sample_count(per_sample: float, repeat: int, max_total_s: float, aim_s: float) -> int:
+    """Samples to take: enough to fill aim_s (at most MAX_SAMPLES), at least `repeat`, and never
+    past max_total_s."""
+    return max(1, min(max(repeat, min(MAX_SAMPLES, int(aim_s / per_sample))), int(max_total_s / per_sample)))
+
+
 def timeit(fn, *, repeat: int, max_total_s: float) -> float:
     """Seconds per call (median, or min with --stat min) after one warm-up; fewer repeats when
     a call is slow, more when it is short (five samples of a 30 us call are mostly noise)."""
     t0 = time.perf_counter()
     fn()
     first = max(time.perf_counter() - t0, 1e-9)
-    n = max(1, min(max(repeat, min(MAX_SAMPLES, int(SHORT_S / first))), int(max_total_s / first)))
+    n = sample_count(first, repeat, max_total_s, SHORT_S)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -107,7 +113,7 @@ def timeit_interleaved(fns: dict, *, repeat: int, max_total_s: float) -> dict:
         fn()
         first[name] = max(time.perf_counter() - t0, 1e-9)
     per_round = sum(first.values())
-    n = max(1, min(max(repeat, min(MAX_SAMPLES, int(ROUNDS_S / per_round))), int(max_total_s / per_round)))
+    n = sample_count(per_round, repeat, max_total_s, ROUNDS_S)
     times = {name: [] for name in fns}
     for _ in range(n):
         for name, fn in fns.items():
