@@ -19,6 +19,7 @@ from torch import nn
 import tonp_kernels as tk
 from tonp_models import diagnose as dg
 from tonp_models.diagnose.__main__ import main as cli_main
+from tonp_models.diagnose.compare import align
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_helpers import invariant_built, random_seqs, tiny_model  # noqa: E402
@@ -60,13 +61,17 @@ def test_no_divergence_train_decode_padded(model, seqs, reference, tmp_path):
 def test_every_op_boundary_is_captured(reference):
     ops = {op for _, op in reference.op_order()}
     assert {"embed", "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
-            "q_rope", "k_rope", "attn.k", "attn.v", "attention", "o_proj", "residual",
-            "post_attention_layernorm", "router_logits", "route.ids", "route.weights",
-            "expert.gate_up", "expert.act", "expert.down", "combine", "gate_proj", "up_proj",
-            "mlp.act", "down_proj", "layer_out", "final_norm", "logits", "logprobs"} <= ops
-    # one row per (token, chosen expert)
-    keys, _, _ = reference.gather(0, "expert.down")
+            "q_rope", "k_rope", "self_attn.k", "self_attn.v", "self_attn.attention", "o_proj",
+            "residual", "post_attention_layernorm", "mlp.router_logits", "mlp.route.ids",
+            "mlp.route.weights", "mlp.expert.gate_up", "mlp.expert.act", "mlp.expert.down",
+            "mlp.experts", "mlp.combine", "gate_proj", "up_proj", "mlp.act", "down_proj",
+            "layer_out", "final_norm", "logits", "logprobs"} <= ops
+    # one row per (token, chosen expert); the fused op's rows are the per-expert path's bits
+    keys, down, _ = reference.gather(0, "mlp.expert.down")
     assert keys.shape[0] == sum(LENGTHS) * 2 and bool((keys[:, 2] >= 0).all())
+    ra, rb, only_a, only_b = align(keys, reference.gather(0, "mlp.experts")[0])
+    assert only_a == only_b == 0
+    assert torch.equal(down[ra], reference.gather(0, "mlp.experts")[1][rb])
 
 
 def test_stock_linear_in_one_layer(model, seqs, reference, monkeypatch):
@@ -114,7 +119,8 @@ def test_routing_tie_broken_the_other_way(seqs, monkeypatch):
     monkeypatch.setattr(tk, "moe_route", ties_to_higher_id)
     diag = dg.compare_traces(a, dg.run_path(model, seqs, "train", label="B"))
     f = diag.first
-    assert (f.layer, f.op, f.classification) == (2, "route.ids", dg.ROUTING), dg.format_text(diag)
+    assert (f.layer, f.op, f.classification) == (2, "mlp.route.ids", dg.ROUTING), \
+        dg.format_text(diag)
     assert f.rows_differing == sum(LENGTHS)
     assert "routing decision flipped" in dg.format_text(diag)
 
@@ -177,10 +183,10 @@ def test_two_checkpoints(model, seqs, tmp_path):
         other.layers[2].mlp.gate[1, 0] += 0.01
     diag = dg.diagnose(model, seqs, "train", "train", model_b=other, out_dir=str(tmp_path))
     f = diag.first
-    assert (f.layer, f.op, f.classification) == (2, "router_logits", dg.WEIGHTS), \
+    assert (f.layer, f.op, f.classification) == (2, "mlp.router_logits", dg.WEIGHTS), \
         dg.format_text(diag)
     assert "layers.2.mlp.gate" in f.detail
-    assert json.load(open(tmp_path / "diagnosis.json"))["first"]["op"] == "router_logits"
+    assert json.load(open(tmp_path / "diagnosis.json"))["first"]["op"] == "mlp.router_logits"
 
 
 def _external_file(model, seqs, path, perturb):
@@ -272,8 +278,8 @@ def _ep_layouts_rank(ckpt):
             diag = dg.compare_traces(a, b)
             out[name] = dict(first=diag.first, logdiff=diag.logdiff, ops=len(diag.ops),
                              mismatch=b.meta.get("rank_mismatch"),
-                             expert_rows=[t.gather(0, "expert.down")[0] for t in (a, b)])
-    local = SparseMoeBlock._run_local_experts
+                             expert_rows=[t.gather(0, "mlp.expert.down")[0] for t in (a, b)])
+    local = SparseMoeBlock._experts
 
     def stock_on_second_half(self, *args):  # experts 4..7 live on EP rank 1
         if self.first_expert == 0:
@@ -281,11 +287,11 @@ def _ep_layouts_rank(ckpt):
         with tk.use("torch"):
             return local(self, *args)
 
-    SparseMoeBlock._run_local_experts = stock_on_second_half
+    SparseMoeBlock._experts = stock_on_second_half   # a fault injected for the test
     try:
         b = dg.run_layout(ckpt, seqs, dg.PathSpec.parse("train,ep=2"))
     finally:
-        SparseMoeBlock._run_local_experts = local
+        SparseMoeBlock._experts = local
     if a is not None:
         out["perturbed"] = dg.compare_traces(a, b).first
     return out if a is not None else None
@@ -295,7 +301,7 @@ def test_ep2_layout_equals_single_process(tmp_path):
     """Expert rows received from the other EP rank are named by the sender's dispatch record and
     merged on rank 0: EP 2 decode and TP 2 x EP 2 equal one process op by op (expert rows
     included); rank 1's experts on stock kernels -> "operator arithmetic" at layer 0
-    expert.gate_up, on rows of experts 4..7 only."""
+    mlp.expert.gate_up, on rows of experts 4..7 only."""
     from dist_utils import run_distributed
     model = tiny_model("mlp_only", seed=3, num_hidden_layers=2, mlp_only_layers=[])
     model.save_pretrained(tmp_path / "ckpt")
@@ -308,5 +314,5 @@ def test_ep2_layout_equals_single_process(tmp_path):
         assert ka.shape[0] == 14 * 2 and sorted(ka.tolist()) == sorted(kb.tolist()), name
     f = out["perturbed"]
     assert f is not None and (f.layer, f.op, f.classification) == \
-        (0, "expert.gate_up", dg.OPERATOR), f
+        (0, "mlp.expert.gate_up", dg.OPERATOR), f
     assert f.positions and all(e >= 4 for _, _, e in f.positions)

@@ -23,7 +23,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .capture import Capture, Record, Trace, probe
+from ..layers.probe import probe
+from .capture import Capture, Record, Trace
 from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, WEIGHTS,
                       Diagnosis, OpDiff, compare_traces, differing_parameters)
 from .layout import compare_layouts, merge_ranks, run_layout
