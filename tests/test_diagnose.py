@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 import tonp_kernels as tk
 from tonp_models import diagnose as dg
+from tonp_models.layers import probe as seam
 from tonp_models.diagnose.__main__ import main as cli_main
 from tonp_models.diagnose.compare import align
 
@@ -72,6 +74,99 @@ def test_every_op_boundary_is_captured(reference):
     ra, rb, only_a, only_b = align(keys, reference.gather(0, "mlp.experts")[0])
     assert only_a == only_b == 0
     assert torch.equal(down[ra], reference.gather(0, "mlp.experts")[1][rb])
+
+
+def test_probe_seam_is_one_cheap_hook_per_context():
+    """probe() does nothing without a hook; the innermost hook of this thread gets every call
+    with its meta; another thread sees none; wants_detail() is the hook's own choice."""
+    seen = []
+    assert not seam.probing() and not seam.wants_detail()
+    seam.probe("x", torch.zeros(1))                       # no hook: nothing happens
+    outer, inner = (lambda *a, **k: seen.append(("outer", a[0]))), \
+        (lambda op, v, **meta: seen.append(("inner", op, meta)))
+    seam.push_hook(outer)
+    seam.push_hook(inner, detail=True)
+    try:
+        assert seam.probing() and seam.wants_detail()
+        seam.probe("a", torch.zeros(1), kind="route")
+        other = []
+        t = threading.Thread(target=lambda: other.append((seam.probing(), seam.wants_detail())))
+        t.start()
+        t.join()
+        assert other == [(False, False)]
+        seam.pop_hook(inner)
+        assert seam.probing() and not seam.wants_detail()
+        seam.probe("b", torch.zeros(1))
+    finally:
+        seam.pop_hook(outer)
+    assert seen == [("inner", "a", {"kind": "route"}), ("outer", "b")]
+    assert not seam.probing()
+    with pytest.raises(ValueError, match="not installed"):
+        seam.pop_hook(outer)
+
+
+def test_capture_patches_nothing_and_records_only_its_thread(model, seqs):
+    """A Capture uses forward hooks and the probe seam only: no module global, tonp_parallel
+    function or instance attribute is replaced, and forwards of other threads are not recorded."""
+    import tonp_parallel
+    from tonp_models.layers.moe import SparseMoeBlock
+    reduce = tonp_parallel.reduce_from_region
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    before = [dict(vars(b)) for b in blocks]
+    ids = torch.cat(seqs)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad(), dg.Capture(model, "x") as cap:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("tonp_models.") and hasattr(mod, "tk"):
+                assert mod.tk is tk, name
+        assert tonp_parallel.reduce_from_region is reduce
+        assert [{k: v for k, v in vars(b).items() if not k.endswith("hooks")} for b in blocks] \
+            == [{k: v for k, v in b0.items() if not k.endswith("hooks")} for b0 in before]
+        cap.begin_forward([i for i, n in enumerate(LENGTHS) for _ in range(n)],
+                          [j for n in LENGTHS for j in range(n)])
+        t = threading.Thread(target=model, args=(ids, cu))
+        t.start()
+        t.join()
+        assert cap.trace.records == []
+        model(ids, cu)
+    assert len(cap.trace.records) > 60
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_detail_off_observes_the_fused_op_only(model, seqs, reference):
+    """Without detail the MoE block runs its fused op alone: its per (token, expert) rows are
+    still compared ('mlp.experts'), the per-expert steps are not captured."""
+    lean = dg.run_path(model, seqs, "decode", prompt_lens=[2], detail=False)
+    ops = {op for _, op in lean.op_order()}
+    assert "mlp.experts" in ops and not any(op.startswith("mlp.expert.") for op in ops)
+    diag = dg.compare_traces(reference, lean)
+    assert diag.first is None and diag.logdiff == 0.0, dg.format_text(diag)
+    assert "layer 0 mlp.expert.gate_up" in diag.one_sided["a"]
+
+
+def test_fused_expert_op_alone_diverges(model, seqs, reference, monkeypatch):
+    """Path B's fused expert op on stock kernels while its per-expert reference path stays
+    invariant: "operator arithmetic" at layer 0 mlp.experts, after equal per-expert steps."""
+    fused = tk.moe_experts
+    block = model.layers[0].mlp
+    x = torch.randn(5, block.gate_up_proj.shape[2])
+    ids = torch.tensor([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]])
+    args = (x, ids, block.gate_up_proj.detach(), block.down_proj.detach())
+    with tk.use("torch"):
+        stock = fused(*args)
+    assert not torch.equal(stock, fused(*args)), "precondition: stock experts must differ"
+
+    def stock_fused(*a, **kw):
+        with tk.use("torch"):
+            return fused(*a, **kw)
+
+    monkeypatch.setattr(tk, "moe_experts", stock_fused)
+    diag = dg.compare_traces(reference, dg.run_path(model, seqs, "train", label="B"))
+    f = diag.first
+    assert (f.layer, f.op, f.classification) == (0, "mlp.experts", dg.OPERATOR), \
+        dg.format_text(diag)
+    equal = {o.op for o in diag.ops if o.layer == 0 and not o.rows_differing}
+    assert {"mlp.expert.gate_up", "mlp.expert.act", "mlp.expert.down"} <= equal
 
 
 def test_stock_linear_in_one_layer(model, seqs, reference, monkeypatch):
