@@ -411,3 +411,20 @@ def test_ep2_layout_equals_single_process(tmp_path):
     assert f is not None and (f.layer, f.op, f.classification) == \
         (0, "mlp.expert.gate_up", dg.OPERATOR), f
     assert f.positions and all(e >= 4 for _, _, e in f.positions)
+
+
+def test_moe_probes_with_no_rows(model):
+    """A forward (or an EP rank's receipt) with no rows reports empty values, not an error."""
+    block = model.layers[0].mlp
+    seen = []
+
+    def hook(op, value, **meta):
+        seen.append((op, tuple(value.shape)))
+
+    seam.push_hook(hook, detail=True)
+    try:
+        with torch.no_grad():
+            y = block(torch.zeros(0, block.gate_up_proj.shape[2]))
+    finally:
+        seam.pop_hook(hook)
+    assert y.shape == (0, 64) and ("experts", (0, 64)) in seen and ("combine", (0, 64)) in seen

@@ -1,20 +1,9 @@
 """Align two traces token by token and find the first op (in forward order) whose outputs differ.
 
-Rows are matched by their keys (sequence, position, expert), so a whole-sequence pass lines up
-with prefill + decode steps. Ops are visited in forward order (the order of first appearance in
-trace A, with ops only B has slotted in after their predecessor). A token is "tainted" once an
-op differed for it or for an earlier position of its sequence (attention mixes positions); a
-differing row that is not tainted is an origin of divergence, classified as:
-
-* "routing decision flipped": the chosen expert ids differ (router logits were equal);
-* "collective order": the result of a reduce over ranks differs although every rank's local
-  partial was equal;
-* "precision cast": the dtypes differ, or the values agree once rounded to bfloat16/float16 and
-  one side already holds such rounded values;
-* "weights differ": two checkpoints hold different parameters for the module of the op;
-* "operator arithmetic": the op's inputs (and weights) were bitwise equal (every earlier op
-  matched for the token and its prefix) and its output differs.
-Differing rows that are tainted are "input already differed" (propagation).
+Rows are matched by their keys (sequence, position, expert). A differing row whose inputs were
+equal (`DEPS`, the model's dataflow) is an origin, classified as routing, collective order,
+precision cast, weights differ or operator arithmetic; the rest are "input already differed".
+docs/diagnose.md explains each class.
 """
 from __future__ import annotations
 

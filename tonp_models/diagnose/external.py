@@ -1,25 +1,10 @@
 """Compare tonp's training-forward logprobs with per-token logprobs exported by another engine.
 
-Input: JSONL, one sequence per line. The canonical form is
+    rep = compare_external(model, load_jsonl("vllm.jsonl"), temperature=1.0, threshold=0.0)
+    write_external_report(rep, "out/")          # external.txt, .json, _hist.png
 
-    {"token_ids": [t0, t1, ..., tn-1], "logprobs": [...], "prompt_len": p}   (prompt_len optional)
-
-where "logprobs" holds log p(t_j | t_<j) either for every token (n entries; the first, having
-no context, is null), for tokens 1..n-1 (n - 1 entries), or, with prompt_len, for the response
-tokens p..n-1 only (n - p entries). Any entry may be null (not compared). An entry may also be a
-{token id: logprob or {"logprob": x}} dict (top-logprobs), from which the actual token's value is
-taken. Also accepted, as exported by the engines:
-
-* vLLM (RequestOutput as JSON): {"prompt_token_ids": [...], "prompt_logprobs": [null, {...}, ...]
-  (optional), "outputs": [{"token_ids": [...], "logprobs": [{id: {"logprob": x, ...}}, ...]}]},
-  or flat {"prompt_token_ids", "output_token_ids" | "token_ids", "logprobs"};
-* SGLang: {"input_ids" | "prompt_token_ids", "output_ids" (optional), "meta_info":
-  {"output_token_logprobs": [[logprob, token_id, text], ...], "input_token_logprobs": [...]}};
-* transformers: the canonical form, or "input_ids" for "token_ids" (e.g. the gathered
-  log_softmax of a forward).
-
-Output: per-token |diff| statistics, the first divergent token of each sequence and a PNG
-histogram of log10 |diff|.
+Input: JSONL, one sequence a line: {"token_ids", "logprobs", "prompt_len"?}, examples/rollout.py's
+output, a vLLM RequestOutput or an SGLang response (docs/diagnose.md gives each shape).
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """TP/EP layouts: capture per rank, gather to rank 0, merge into one trace comparable with TP 1.
 
-Every rank of a TP group runs the same ops in the same order, so the records line up by index:
-* a record with `shard_dim` (column-parallel outputs, per-head q/k/attention) is concatenated
-  over ranks on that dim (rank order = head / column order), giving the TP-1 tensor; shard_dim
-  0 (the MoE combine under TP x EP: each TP rank combines its share of the tokens) concatenates
-  the rows and their keys;
-* a "partial" record (a rank's fp32 share of a row-parallel reduction) is stacked on a new dim 1
-  ([R, ranks, ...]), so "every rank's partial equal" is one comparison;
-* any other record is replicated: rank 0's copy is kept, and ranks that disagree are noted in
-  `trace.meta["rank_mismatch"]` (a collective that does not give every rank the same bits);
-* expert records ("expert.*", one row per (token, expert)): without EP every TP rank computes
-  every row (rank 0's group's rows are kept). Under EP an expert's rows come from every rank of
-  its EP group: each received row is named from its sender's "dispatch" record (the k-th
-  forward of a layer on the receiver matches the k-th on every sender; rows arrive by source
-  rank, each in its sender's send order), and the rows whose token belongs to rank 0's
-  model-parallel group (data-parallel rank 0) are kept, from whichever rank ran the expert.
-The merged trace holds no "dispatch" records: a single process has none.
+Records line up by index across a TP group: sharded ones are concatenated on their shard dim,
+partials stacked per rank, replicated ones kept from rank 0 (disagreements noted); EP expert
+rows are named from their senders' dispatch records (docs/diagnose.md, "Rows, alignment,
+layouts").
 """
 from __future__ import annotations
 

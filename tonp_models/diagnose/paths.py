@@ -5,11 +5,8 @@
     trace = run_path(model, seqs, "decode", prompt_lens=[4])   # prefill, then one token per step
     trace = run_path(model, seqs, "train", mode="torch")       # stock torch kernels
 
-The decode path feeds the given tokens (teacher forcing): every sequence prefills its prompt
-in one packed forward through a PagedKVCache, then each step feeds the next token of every
-unfinished sequence together, so a decode step's rows are other sequences' tokens, as in the
-generator. Every path records the per-token logprob log p(seq[j+1] | seq[:j+1]) computed by
-`tonp_kernels.token_logprobs` on that path's logits ("logprobs", layer None).
+Decode feeds the given tokens (teacher forcing), every unfinished sequence together per step.
+Every path records its token logprobs ("logprobs", layer None).
 """
 from __future__ import annotations
 

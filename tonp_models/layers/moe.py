@@ -110,8 +110,9 @@ class SparseMoeBlock(nn.Module):
                 self._per_expert(x, ids, received)  # observed only: the same bits as y
         if probing():
             R, J = ids.shape
-            probe("experts", y.reshape(R * J, -1), rows=torch.arange(R).repeat_interleave(J),
-                  experts=ids.reshape(-1), received=received)
+            probe("experts", y.reshape(R * J, x.shape[1]),
+                  rows=torch.arange(R).repeat_interleave(J), experts=ids.reshape(-1),
+                  received=received)
         return y
 
     def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

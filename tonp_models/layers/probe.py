@@ -2,7 +2,7 @@
 
     probe("partial", p, kind="partial")      # a layer reports a value; a no-op without a hook
     if probing(): probe("k", expensive())    # guard values that cost something to build
-    if wants_detail(): ...                   # the hook asks for a layer's documented step-by-step path
+    if wants_detail(): ...                   # the hook asks for a step-by-step path (MoE experts)
 
 A hook is `fn(op, value, **meta)`, installed for the current thread / async context with
 `push_hook(fn, detail=...)` and removed with `pop_hook(fn)`; without one every call is a single
