@@ -1,8 +1,10 @@
 """The consistency diagnoser names the layer and op where two paths first diverge, and why.
 
 Each test injects one deliberate divergence on path B (a stock F.linear in one layer, a routing
-tie broken the other way, a collective summed in another order, a cast to bfloat16) and checks
-the diagnosis; unmodified paths must report "no divergence" (decode equals the full pass).
+tie broken the other way, a collective summed in another order, a cast to bfloat16, the fused
+expert op on stock kernels) and checks the diagnosis; unmodified paths must report "no
+divergence" (decode equals the full pass). The capture observes through forward hooks and the
+layers' probe seam only: nothing is patched, and other threads' forwards are not recorded.
 """
 from __future__ import annotations
 
@@ -233,9 +235,9 @@ class FourRankRowParallel(nn.Module):
         parts = [tk.linear_partial(x[:, r * k:(r + 1) * k].contiguous(),
                                    self.weight[:, r * k:(r + 1) * k].contiguous(),
                                    chunks=self.chunks // 4) for r in range(4)]
-        dg.probe("partial", torch.stack(parts, 1), kind="partial")             # (T, 4, N)
+        seam.probe("partial", torch.stack(parts, 1), kind="partial")           # (T, 4, N)
         y = self.reduce(parts)
-        dg.probe("reduce", y, kind="collective")
+        seam.probe("reduce", y, kind="collective")
         return y.to(x.dtype)
 
 
