@@ -24,6 +24,7 @@ import tonp_kernels as tk
 
 from .linear import ColumnParallelLinear, RowParallelLinear, _divide, _tp_size
 from .norm import RMSNorm
+from .probe import probe, probing
 from .rotary import RotaryEmbedding
 
 
@@ -82,7 +83,22 @@ class Attention(nn.Module):
             o = tk.attention_paged(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
                                    cache.page_table, step.q_seq, step.positions,
                                    scale=self.scale)
+        if probing():
+            self._probe(k, v, o, cache, step)
         return self.o_proj(o.reshape(T, self.local_heads * D))                     # (T, H)
+
+    def _probe(self, k, v, o, cache, step) -> None:
+        """Report the K/V rows of these tokens as the kernel read them (from the pages under a
+        cache) and the attention output, all per head (split over TP ranks on dim 1)."""
+        shard = 1 if self.q_proj.tp_size > 1 else None
+        if cache is not None:
+            B, pos = cache.page_size, step.positions
+            rows = cache.page_table.long()[step.q_seq.long(), pos // B] * B + pos % B  # (T,)
+            k = cache.k[self.layer_idx].flatten(0, 1).index_select(0, rows)        # (T, Hkv, D)
+            v = cache.v[self.layer_idx].flatten(0, 1).index_select(0, rows)
+        probe("k", k, shard_dim=shard)
+        probe("v", v, shard_dim=shard)
+        probe("attention", o, shard_dim=shard)
 
 
 class _HeadNorm(RMSNorm):

@@ -49,13 +49,15 @@ class Embedding(nn.Module):
         if self.tp_size == 1:
             return self.weight.index_select(0, flat).view(*ids.shape, -1)
         from tonp_parallel import reduce_from_region
+        from .probe import probe
         local = flat - self.vocab_start
         foreign = (local < 0) | (local >= self.local_vocab)
         rows = self.weight.index_select(0, local.clamp(0, self.local_vocab - 1))  # (N, H)
         rows = rows.masked_fill(foreign.unsqueeze(1), 0.0)
         # One non-zero addend per element: the fp32 sum is exact, then the cast is too.
-        y = reduce_from_region(rows.float(), self.tp_group).to(self.weight.dtype)
-        return y.view(*ids.shape, -1)
+        y = reduce_from_region(rows.float(), self.tp_group)
+        probe("reduce", y, kind="collective")
+        return y.to(self.weight.dtype).view(*ids.shape, -1)
 
 
 class LMHead(nn.Module):

@@ -143,12 +143,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
-        # Looked up at call time: the diagnoser wraps tonp_parallel.reduce_from_region.
         from tonp_parallel import reduce_from_region
+        from .probe import probe
         # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the
         # same here after the cross-rank tree, so a bias keeps TP t equal to TP 1.
         partial = tk.linear_partial(x, self.weight, chunks=self.chunks // self.tp_size)
+        probe("partial", partial, kind="partial")
         y = reduce_from_region(partial, self.tp_group)
+        probe("reduce", y, kind="collective")
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

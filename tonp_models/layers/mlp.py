@@ -7,6 +7,7 @@ from torch import nn
 import tonp_kernels as tk
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .probe import probe
 
 
 class DenseMLP(nn.Module):
@@ -22,4 +23,6 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(tk.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        h = tk.silu_mul(self.gate_proj(x), self.up_proj(x))                       # (T, I/t)
+        probe("act", h, shard_dim=-1 if self.gate_proj.tp_size > 1 else None)
+        return self.down_proj(h)
