@@ -411,7 +411,8 @@ def _tp_mismatch_rank():
 def test_tp_ranks_given_different_calls_raise_on_every_rank():
     """Same-length and different-length prompts, other settings, one rank's bad input, and a
     rollout that diverges mid-way: every rank raises naming TP rank 1 (no gloo size mismatch,
-    no hang, no rank 0's completion returned on rank 1); equal calls pass and agree."""
+    no hang, no rank 0's completion returned on rank 1); equal calls pass and agree, and the
+    group works after the errors."""
     from dist_utils import run_distributed
     ranks = run_distributed(_tp_mismatch_rank, 2, timeout=120)
     for name in ("same", "same_again"):
@@ -420,7 +421,7 @@ def test_tp_ranks_given_different_calls_raise_on_every_rank():
     assert_bitwise(tuple(ranks[1]["scored_same"]), tuple(ranks[0]["scored_same"]))
     for name, who, what in [
             ("same_length_other_prompt", "generate", "call"), ("other_length", "generate", "call"),
-            ("other_setting", "generate", "call"), ("diverged", "generate", "batch at step 2"),
+            ("other_setting", "generate", "call"), ("diverged", "generate", "result"),
             ("scored_other", "token_logprobs", "call"),
             ("scored_other_length", "token_logprobs", "call")]:
         for rank, res in enumerate(ranks):

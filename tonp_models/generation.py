@@ -194,21 +194,22 @@ def _check_logits(logits: torch.Tensor, rows: List[_Request]) -> None:
                        f"({int(bad.sum())} non-finite logits in this step)")
 
 
-def _check_logprobs(lps: torch.Tensor, logits: torch.Tensor, rows: List[_Request],
+def _check_logprobs(lps: List[float], logits: torch.Tensor, rows: List[_Request],
                     temperature: float) -> None:
     """Finite logits give finite logprobs unless logits / temperature overflow fp32."""
-    if bool(torch.isfinite(lps).all()):
+    if all(map(math.isfinite, lps)):
         return
-    s = int((~torch.isfinite(lps)).nonzero()[0])
+    s = next(i for i, lp in enumerate(lps) if not math.isfinite(lp))
     r = rows[s]
     raise ValueError(f"generate: request {r.index}'s token at position {len(r.tokens)} has "
-                     f"logprob {float(lps[s])} with temperature={temperature!r}: its logits "
+                     f"logprob {lps[s]} with temperature={temperature!r}: its logits "
                      f"(largest |logit| {float(logits[s].abs().max()):.4g}) divided by the "
                      f"temperature overflow fp32; use a larger temperature (or 0 for greedy)")
 
 
 def _pick(logits: torch.Tensor, rows: List[_Request], s: _Sampling):
-    """Next token and its logprob for each row. logits fp32 [S, V] -> (int64 [S], fp32 [S])."""
+    """Next token and its logprob for each row: logits fp32 [S, V] -> ([S] ints, [S] floats,
+    the fp32 values exactly)."""
     _check_logits(logits, rows)
     if s.temperature == 0:
         chosen = tk.argmax(logits)
@@ -219,9 +220,9 @@ def _pick(logits: torch.Tensor, rows: List[_Request], s: _Sampling):
         chosen = tk.sample(logits, temperature=s.temperature, seed=s.seed, request_ids=ids,
                            positions=pos, top_k=s.top_k and min(s.top_k, logits.shape[-1]),
                            top_p=s.top_p)
-    lps = tk.token_logprobs(logits, chosen, temperature=s.temperature or 1.0)
+    lps = tk.token_logprobs(logits, chosen, temperature=s.temperature or 1.0).tolist()
     _check_logprobs(lps, logits, rows, s.temperature)
-    return chosen, lps
+    return chosen.tolist(), lps
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -377,14 +378,11 @@ def _run(model, sched: _Scheduler, call: _Call, stats: GenerationStats, progress
         ends = list(itertools.accumulate(counts))
         cu = torch.tensor([0] + ends, dtype=torch.int32)
         last = torch.tensor([e - 1 for e in ends], dtype=torch.int64)  # each sequence's last row
-        slots = [r.slot for r in rows]
-        if tp.group is not None:  # the TP ranks' rollouts must not have diverged
-            tp.agree(digest(stats.forward_steps, slots, counts, ids),
-                     f"batch at step {stats.forward_steps} (the rollouts diverged)")
-        logits = model(ids, cu, cache=cache, cache_slots=slots, logits_rows=last)  # (S, V) fp32
+        logits = model(ids, cu, cache=cache, cache_slots=[r.slot for r in rows],
+                       logits_rows=last)                                          # (S, V) fp32
         stats.forward_steps += 1
         chosen, lps = _pick(logits, rows, call.sampling)
-        for r, tok, lp in zip(rows, chosen.tolist(), lps.tolist()):  # fp32 -> float: exact
+        for r, tok, lp in zip(rows, chosen, lps):
             r.cached = len(r.tokens)
             r.tokens.append(tok)
             r.logprobs.append(lp)
@@ -396,9 +394,10 @@ def _run(model, sched: _Scheduler, call: _Call, stats: GenerationStats, progress
                 bar.update(1)
         bar.set_postfix(tok_s=f"{stats.new_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}",
                         refresh=False)
-    if tp.group is not None:  # and every rank returns the same rollouts
-        tp.agree(digest("done", stats.forward_steps,
-                         torch.tensor([t for r in call.reqs for t in r.tokens])), "result")
+    if tp.group is not None:  # every TP rank returns the same rollouts (see docs/generation.md)
+        tp.agree(digest(stats.forward_steps, [len(r.tokens) for r in call.reqs],
+                        torch.tensor([t for r in call.reqs for t in r.tokens]),
+                        torch.tensor([p for r in call.reqs for p in r.logprobs])), "result")
     stats.preemptions = sched.preemptions
     bar.close()
 
