@@ -263,7 +263,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         a mismatch raises RuntimeError on every rank, before any forward).
         """
         from ..checks import TPCheck, as_int, check_temperature, sequence_list, token_ids
-        who, V = "token_logprobs", self.config.vocab_size
+        who, V, limit = "token_logprobs", self.config.vocab_size, \
+            self.config.max_position_embeddings
 
         def check():
             T = check_temperature(who, temperature, greedy_ok=False)
@@ -273,9 +274,11 @@ class Qwen3MoeForCausalLM(nn.Module):
                 raise TypeError(f"{who}: packed must be True or False, got {packed!r}")
             seqs = [token_ids(who, f"sequence {i}", s, V)
                     for i, s in enumerate(sequence_list(who, "sequences", sequences))]
-            if any(len(s) == 0 for s in seqs):
-                raise ValueError(f"{who}: every sequence needs at least one token (sequence "
-                                 f"{[len(s) for s in seqs].index(0)} is empty)")
+            for i, s in enumerate(seqs):
+                if not 0 < len(s) <= limit:
+                    raise ValueError(f"{who}: sequence {i} has {len(s)} tokens; every sequence "
+                                     f"needs at least one token and at most "
+                                     f"max_position_embeddings={limit}")
             return seqs, T, mb or max(len(seqs), 1)
 
         seqs, temperature, mb = TPCheck.of(self, who).agreed(
