@@ -239,11 +239,10 @@ class _Call:
 
     def key(self) -> tuple:
         """What every TP rank must agree on (the digest's parts)."""
-        ids = [torch.tensor(r.tokens, dtype=torch.int64) for r in self.reqs]
         return (self.max_new_tokens, sorted(self.eos), sorted(self.stop), self.sampling,
-                self.max_batch_size, self.num_pages, [(r.request_id, r.prompt_len)
-                                                      for r in self.reqs],
-                torch.cat(ids) if ids else None)
+                self.max_batch_size, self.num_pages,
+                [(r.request_id, r.prompt_len) for r in self.reqs],
+                torch.tensor([t for r in self.reqs for t in r.tokens], dtype=torch.int64))
 
 
 def _check_call(model, prompts, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed,
