@@ -1,34 +1,21 @@
-"""The rollout engine: batched decoding of ragged prompts with a paged KV cache.
+"""The rollout engine: `generate` decodes ragged prompts with continuous batching over a paged KV
+cache, and every logprob it reports is, bit for bit, the one the training forward gives.
 
     out = generate(model, prompts, max_new_tokens=64, temperature=1.0, top_p=0.95, seed=7,
                    max_batch_size=8, eos_token_id=model.config.eos_token_id)
     lps = model.token_logprobs(out.sequences, temperature=1.0)    # training forward
     assert all(torch.equal(a[p - 1:], b) for a, b, p in zip(lps, out.logprobs, out.prompt_lengths))
 
-How it works. A scheduler keeps at most `max_batch_size` requests running, each in a slot of a
-`PagedKVCache` (page = the model's attention block). Every step is ONE forward over a ragged packed
-batch: a request that just joined feeds its whole context (prefill), a running one its last token
-(decode); both extend their cache slot. Only each sequence's last row goes through the final norm
-and LM head (`logits_rows`). Finished requests (eos / stop token / max_new_tokens) leave and free
-their pages between steps; waiting prompts join in order while slots and pages allow.
-
-Why a request's output never depends on its batch: with tonp's invariant kernels a row's logits
-depend only on that row's own sequence (CONTRACT.md), greedy picks the lowest index among ties
-(`tonp_kernels.argmax`), and sampling noise is a hash of (seed, request id, position, token)
-(`tonp_kernels.sample`). So the batch size, the companions, their order, prefill vs decode and even
-a preemption (which recomputes the context) leave every token and logprob bit-for-bit unchanged,
-and `model.token_logprobs(out.sequences, temperature=T)` reproduces `out.logprobs` exactly.
-
-Cache capacity. By default the cache holds the `max_batch_size` largest requests at their full
-length, so nothing ever waits for pages. With a smaller `num_pages`, pages are allocated as
-sequences grow; a waiting prompt joins only when its context fits, and when running requests
-outgrow the free pages the most recently admitted one is preempted (its pages freed, its context,
-prompt + tokens so far, recomputed when it rejoins). A request that cannot fit even alone raises
-CacheFullError before any work is done.
+A request's tokens and logprobs do not depend on its batch (size, companions, order, cache size,
+preemption). Arguments are checked before any forward; the ranks of a tensor-parallel group must
+make the same call (checked: a mismatch raises on every rank); non-finite logits raise. The
+scheduler, the cache, preemption and why the batch does not matter: docs/generation.md.
 """
 from __future__ import annotations
 
+import collections.abc
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Union
@@ -37,6 +24,8 @@ import torch
 
 import tonp_kernels as tk
 
+from .checks import (TPCheck, as_int, as_real, check_temperature, digest, sequence_list, show,
+                     token_ids)
 from .layers import CacheFullError, PagedKVCache
 
 TokenIds = Union[torch.Tensor, Sequence[int]]
@@ -161,84 +150,158 @@ class _Sampling:
     seed: int
 
 
+def _token_set(name: str, ids, vocab: int) -> set:
+    """eos / stop ids: None, one token id, or a list / tuple / set / 1-D tensor or array of them
+    (ints, numpy integers, 0-d integer tensors)."""
+    if ids is None:
+        return set()
+    many = isinstance(ids, (list, tuple, set, frozenset, range)) or getattr(ids, "ndim", 0) == 1
+    return {as_int("generate", f"{name}[{j}]" if many else name, v, 0, vocab)
+            for j, v in enumerate(ids if many else [ids])}
+
+
+def _request_ids(request_ids, n: int) -> List[int]:
+    """The noise keys of the n requests: distinct ints in [0, 2**63); default 0..n-1."""
+    if request_ids is None:
+        return list(range(n))
+    if isinstance(request_ids, (str, bytes)) or getattr(request_ids, "ndim", 1) != 1 or \
+            not isinstance(request_ids, collections.abc.Iterable):
+        raise TypeError(f"generate: request_ids must be a sequence of ints, got "
+                        f"{show(request_ids)}")
+    ids = [as_int("generate", f"request_ids[{j}]", v, 0, 2**63)
+           for j, v in enumerate(request_ids)]
+    if len(ids) != n:
+        raise ValueError(f"generate: request_ids must be {n} ints (one per prompt), got "
+                         f"{len(ids)}")
+    dup = sorted(i for i, c in collections.Counter(ids).items() if c > 1)
+    if dup:
+        raise ValueError(f"generate: request_ids must be distinct (they key each request's "
+                         f"sampling noise); {dup[:8]} occur more than once")
+    return ids
+
+
+def _check_logits(logits: torch.Tensor, rows: List[_Request]) -> None:
+    """Raise naming the first non-finite logit: one reduction a step (NaN reaches min and max)."""
+    lo, hi = torch.aminmax(logits)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return
+    bad = ~torch.isfinite(logits)
+    s, v = bad.nonzero()[0].tolist()
+    r = rows[s]
+    raise RuntimeError(f"generate: the model's logits are not finite (NaN or inf weights, or an "
+                       f"overflow in the forward): request {r.index}, position "
+                       f"{len(r.tokens) - 1}, vocab id {v} is {float(logits[s, v])} "
+                       f"({int(bad.sum())} non-finite logits in this step)")
+
+
+def _check_logprobs(lps: List[float], logits: torch.Tensor, rows: List[_Request],
+                    temperature: float) -> None:
+    """Finite logits give finite logprobs unless logits / temperature overflow fp32."""
+    if all(map(math.isfinite, lps)):
+        return
+    s = next(i for i, lp in enumerate(lps) if not math.isfinite(lp))
+    r = rows[s]
+    raise ValueError(f"generate: request {r.index}'s token at position {len(r.tokens)} has "
+                     f"logprob {lps[s]} with temperature={temperature!r}: its logits "
+                     f"(largest |logit| {float(logits[s].abs().max()):.4g}) divided by the "
+                     f"temperature overflow fp32; use a larger temperature (or 0 for greedy)")
+
+
 def _pick(logits: torch.Tensor, rows: List[_Request], s: _Sampling):
-    """Next token and its logprob for each row. logits fp32 [S, V] -> (int64 [S], fp32 [S])."""
+    """Next token and its logprob for each row: logits fp32 [S, V] -> ([S] ints, [S] floats,
+    the fp32 values exactly)."""
+    _check_logits(logits, rows)
     if s.temperature == 0:
         chosen = tk.argmax(logits)
     else:
         ids = torch.tensor([r.request_id for r in rows], dtype=torch.int64)
         pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)  # the new token's
+        # top_k >= V restricts nothing: the kernel takes it as V (and V fits its int64).
         chosen = tk.sample(logits, temperature=s.temperature, seed=s.seed, request_ids=ids,
-                           positions=pos, top_k=s.top_k, top_p=s.top_p)
-    lps = tk.token_logprobs(logits, chosen, temperature=s.temperature or 1.0)
-    return chosen, lps
+                           positions=pos, top_k=s.top_k and min(s.top_k, logits.shape[-1]),
+                           top_p=s.top_p)
+    lps = tk.token_logprobs(logits, chosen, temperature=s.temperature or 1.0).tolist()
+    _check_logprobs(lps, logits, rows, s.temperature)
+    return chosen.tolist(), lps
 
 
-def _as_ids(name: str, x: TokenIds) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.is_complex()
-                                       or t.dtype == torch.bool)):
-        raise TypeError(f"generate: {name} must be a 1-D sequence of integer token ids, got "
-                        f"{tuple(t.shape)} {t.dtype}")
-    return t.long()
+# -- generate -----------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    """A validated generate call."""
+    reqs: List[_Request]
+    max_new_tokens: int
+    eos: set
+    stop: set
+    sampling: _Sampling
+    max_batch_size: Optional[int]
+    num_pages: Optional[int]
+
+    def key(self) -> tuple:
+        """What every TP rank must agree on (the digest's parts)."""
+        return (self.max_new_tokens, sorted(self.eos), sorted(self.stop), self.sampling,
+                self.max_batch_size, self.num_pages,
+                [(r.request_id, r.prompt_len) for r in self.reqs],
+                torch.tensor([t for r in self.reqs for t in r.tokens], dtype=torch.int64))
 
 
-def _token_set(name: str, ids, vocab: int) -> set:
-    if ids is None:
-        return set()
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"generate: {name} {bad} are not token ids in [0, {vocab})")
-    return set(ids)
-
-
-def _make_requests(model, prompts, max_new_tokens: int, request_ids) -> List[_Request]:
-    if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
-        raise TypeError("generate: prompts must be a list of 1-D token-id sequences (got one "
-                        "1-D tensor: wrap it in a list)")
-    c = model.config
+def _check_call(model, prompts, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed,
+                max_batch_size, stop_token_ids, progress, request_ids, num_pages) -> _Call:
+    """Every argument of generate checked, before any forward (TypeError for a wrong type,
+    ValueError / IndexError for a wrong value, CacheFullError for a request num_pages cannot
+    hold alone)."""
+    c, who = model.config, "generate"
     V, limit = c.vocab_size, c.max_position_embeddings
-    if request_ids is None:
-        request_ids = range(len(prompts))
-    request_ids = [int(i) for i in request_ids]
-    if len(request_ids) != len(prompts) or any(i < 0 for i in request_ids):
-        raise ValueError(f"generate: request_ids must be {len(prompts)} non-negative ints")
+    max_new_tokens = as_int(who, "max_new_tokens", max_new_tokens, 0)
+    sampling = _Sampling(check_temperature(who, temperature, greedy_ok=True),
+                         None if top_k is None else as_int(who, "top_k", top_k, 1),
+                         None if top_p is None else as_real(who, "top_p", top_p),
+                         as_int(who, "seed", seed, 0, 2**64))
+    if sampling.top_p is not None and not 0.0 < sampling.top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    if max_batch_size is not None:
+        max_batch_size = as_int(who, "max_batch_size", max_batch_size, 1)
+    if num_pages is not None:
+        num_pages = as_int(who, "num_pages", num_pages, 1)
+    if not isinstance(progress, bool):
+        raise TypeError(f"generate: progress must be True or False, got {show(progress)}")
+    eos, stop = _token_set("eos_token_id", eos_token_id, V), \
+        _token_set("stop_token_ids", stop_token_ids, V)
+    prompts = sequence_list(who, "prompts", prompts)
+    keys = _request_ids(request_ids, len(prompts))
     reqs = []
     for i, p in enumerate(prompts):
-        t = _as_ids(f"prompt {i}", p)
+        t = token_ids(who, f"prompt {i}", p, V)
         if t.numel() == 0:
             raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-        if int(t.min()) < 0 or int(t.max()) >= V:
-            bad = t[(t < 0) | (t >= V)].unique()[:8].tolist()
-            raise IndexError(f"generate: prompt {i} holds token ids {bad} outside the vocabulary "
-                             f"[0, {V})")
         if len(t) >= limit:
             raise ValueError(f"generate: prompt {i} has {len(t)} tokens; the model's position "
                              f"limit max_position_embeddings={limit} leaves no room to generate")
         if len(t) + max_new_tokens > limit:
             raise ValueError(f"generate: prompt {i} ({len(t)} tokens) + max_new_tokens="
                              f"{max_new_tokens} exceeds max_position_embeddings={limit}")
-        reqs.append(_Request(i, request_ids[i], t.tolist(), len(t)))
-    return reqs
+        reqs.append(_Request(i, keys[i], t.tolist(), len(t)))
+    call = _Call(reqs, max_new_tokens, eos, stop, sampling, max_batch_size, num_pages)
+    if reqs and max_new_tokens > 0:
+        _cache_pages(call, c.attention_block)                 # CacheFullError before any work
+    return call
 
 
-def _new_cache(model, reqs: List[_Request], max_new_tokens: int, max_batch_size: int,
-               num_pages: Optional[int]) -> PagedKVCache:
-    """A cache for these requests: slots for the running batch; pages for its largest members at
-    full length unless num_pages says fewer. The last new token is never fed, so a request writes
-    prompt_len + max_new_tokens - 1 positions."""
-    B = model.config.attention_block
-    positions = [r.prompt_len + max_new_tokens - 1 for r in reqs]
+def _cache_pages(call: _Call, B: int):
+    """(pages, batch, longest position) of the call's cache: enough pages for its largest
+    `batch` requests at full length, or num_pages when fewer (more would never be used). The
+    last new token is never fed, so a request writes prompt_len + max_new_tokens - 1 positions."""
+    reqs = call.reqs
+    batch = min(call.max_batch_size or len(reqs), len(reqs))
+    positions = [r.prompt_len + call.max_new_tokens - 1 for r in reqs]
     pages = sorted((-(-n // B) for n in positions), reverse=True)
-    if num_pages is None:
-        num_pages = sum(pages[:max_batch_size])
-    elif num_pages < pages[0]:
+    enough = sum(pages[:batch])
+    if call.num_pages is not None and call.num_pages < pages[0]:
         i = max(range(len(reqs)), key=lambda j: positions[j])
         raise CacheFullError(f"generate: request {i} needs {pages[0]} KV-cache pages of {B} "
                              f"positions ({positions[i]} positions) but the cache holds "
-                             f"num_pages={num_pages}; it cannot run even alone")
-    return model.new_cache(max_batch_size, max(positions), num_pages=num_pages)
+                             f"num_pages={call.num_pages}; it cannot run even alone")
+    return min(call.num_pages or enough, enough), batch, max(positions)
 
 
 # no_grad, not inference_mode: the returned sequences feed the (grad-enabled) training forward.
@@ -254,46 +317,41 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
     `new_cache` and `config`), continuous batching over a paged KV cache.
 
     Args:
-        prompts: 1-D int token-id sequences (tensors or lists), ragged, each non-empty.
-        max_new_tokens: tokens to generate per request at most (>= 0).
-        eos_token_id, stop_token_ids: an int or ints; generating one ends the request (the token
-            is kept, with its logprob). None = no eos (the model config's is not implied).
+        prompts: 1-D integer token-id sequences (tensors, arrays or lists), ragged, non-empty.
+        max_new_tokens: tokens to generate per request at most (an int >= 0).
+        eos_token_id, stop_token_ids: a token id or a sequence of them (ints, numpy integers,
+            integer tensors); generating one ends the request (the token is kept, with its
+            logprob). None = no eos (the model config's is not implied).
         temperature: 0 = greedy (argmax, lowest index on ties); > 0 samples from
-            softmax(logits / temperature) restricted by top_k / top_p (ignored when greedy).
+            softmax(logits / temperature) restricted by top_k (int >= 1) / top_p (in (0, 1]),
+            both ignored when greedy. A temperature must be a normal number in fp32 (>= about
+            1.18e-38), and one so small that logits / temperature overflow fp32 raises.
         seed, request_ids: the sampling noise of request i at position t is a hash of
-            (seed, request_ids[i], t, token); request_ids default to 0..n-1 (prompt order), so pass
-            them to keep a request's draws when the prompt list is reordered or split.
+            (seed, request_ids[i], t, token); seed in [0, 2**64); request_ids distinct ints in
+            [0, 2**63), default 0..n-1 (prompt order): pass them to keep a request's draws
+            when the prompt list is reordered or split.
         max_batch_size: requests decoded together at most (None = all).
         num_pages: KV-cache pages (None = enough for the largest max_batch_size requests; fewer
-            makes requests wait or be preempted and recomputed, see the module docstring).
+            makes requests wait or be preempted and recomputed: docs/generation.md).
         progress: show a tqdm bar over finished requests.
     Returns: GenerationOutput (sequences, fp32 logprobs, prompt lengths, finish reasons, stats).
-    Raises: TypeError / ValueError / IndexError on bad prompts or settings (empty prompt, token id
-        out of range, prompt + max_new_tokens beyond max_position_embeddings); CacheFullError when
-        num_pages cannot hold a request alone.
+    Raises: TypeError / ValueError / IndexError on a bad argument, named (empty prompt, token id
+        out of range, prompt + max_new_tokens beyond max_position_embeddings, ...);
+        CacheFullError when num_pages cannot hold a request alone; RuntimeError when the ranks
+        of a TP group were given different calls, or when the model's logits are not finite.
     """
     start = time.perf_counter()
-    V = model.config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0 or (top_k is not None and top_k < 1) or \
-            (top_p is not None and not 0.0 < top_p <= 1.0):
-        raise ValueError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got "
-                         f"temperature={temperature} top_k={top_k} top_p={top_p}")
-    if max_batch_size is not None and max_batch_size < 1:
-        raise ValueError(f"generate: max_batch_size must be >= 1, got {max_batch_size}")
-    if num_pages is not None and num_pages < 1:
-        raise ValueError(f"generate: num_pages must be >= 1, got {num_pages}")
-    eos = _token_set("eos_token_id", eos_token_id, V)
-    stop = _token_set("stop_token_ids", stop_token_ids, V)
-    sampling = _Sampling(float(temperature), top_k, top_p, int(seed))
-    reqs = _make_requests(model, prompts, max_new_tokens, request_ids)
+    tp = TPCheck.of(model, "generate")
+    call = tp.agreed(lambda: _check_call(model, prompts, max_new_tokens, eos_token_id,
+                                         temperature, top_k, top_p, seed, max_batch_size,
+                                         stop_token_ids, progress, request_ids, num_pages),
+                     _Call.key)
+    reqs = call.reqs
     stats = GenerationStats(prompt_tokens=sum(r.prompt_len for r in reqs))
-    if reqs and max_new_tokens > 0:
-        batch = min(max_batch_size or len(reqs), len(reqs))
-        cache = _new_cache(model, reqs, max_new_tokens, batch, num_pages)
-        _run(model, _Scheduler(cache, reqs, batch), max_new_tokens, eos, stop, sampling, stats,
-             progress)
+    if reqs and call.max_new_tokens > 0:
+        num_pages, batch, longest = _cache_pages(call, model.config.attention_block)
+        cache = model.new_cache(batch, longest, num_pages=num_pages)
+        _run(model, _Scheduler(cache, reqs, batch), call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
     return GenerationOutput(
         sequences=[torch.tensor(r.tokens, dtype=torch.int64) for r in reqs],
@@ -302,8 +360,8 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
 
 
-def _run(model, sched: _Scheduler, max_new_tokens: int, eos: set, stop: set, sampling: _Sampling,
-         stats: GenerationStats, progress: bool) -> None:
+def _run(model, sched: _Scheduler, call: _Call, stats: GenerationStats, progress: bool,
+         tp: TPCheck) -> None:
     """The decode loop: one mixed prefill/decode forward per step until every request ends."""
     from tqdm.auto import tqdm
 
@@ -322,19 +380,23 @@ def _run(model, sched: _Scheduler, max_new_tokens: int, eos: set, stop: set, sam
         logits = model(ids, cu, cache=cache, cache_slots=[r.slot for r in rows],
                        logits_rows=last)                                          # (S, V) fp32
         stats.forward_steps += 1
-        chosen, lps = _pick(logits, rows, sampling)
-        for r, tok, lp in zip(rows, chosen.tolist(), lps.tolist()):  # fp32 -> float: exact
+        chosen, lps = _pick(logits, rows, call.sampling)
+        for r, tok, lp in zip(rows, chosen, lps):
             r.cached = len(r.tokens)
             r.tokens.append(tok)
             r.logprobs.append(lp)
             stats.new_tokens += 1
-            reason = "eos" if tok in eos else "stop" if tok in stop else \
-                "length" if len(r.logprobs) >= max_new_tokens else None
+            reason = "eos" if tok in call.eos else "stop" if tok in call.stop else \
+                "length" if len(r.logprobs) >= call.max_new_tokens else None
             if reason:
                 sched.finish(r, reason)
                 bar.update(1)
         bar.set_postfix(tok_s=f"{stats.new_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}",
                         refresh=False)
+    if tp.group is not None:  # every TP rank returns the same rollouts (see docs/generation.md)
+        tp.agree(digest(stats.forward_steps, [len(r.tokens) for r in call.reqs],
+                        torch.tensor([t for r in call.reqs for t in r.tokens]),
+                        torch.tensor([p for r in call.reqs for p in r.logprobs])), "result")
     stats.preemptions = sched.preemptions
     bar.close()
 

@@ -254,19 +254,36 @@ class Qwen3MoeForCausalLM(nn.Module):
                        ) -> List[torch.Tensor]:
         """Per-token log-probabilities by the training forward.
 
-        sequences: 1-D int64 tensors (ragged). Returns fp32 tensors, out[i][j] =
-        log p(seq_i[j+1] | seq_i[:j+1]) under log_softmax(logits / temperature), len(seq_i) - 1
-        each. Sequences are scored micro_batch_size at a time (None = all at once), packed
-        (cu_seqlens) or padded (attention_mask). Differentiable when grad is enabled.
+        sequences: 1-D integer token-id sequences (tensors, arrays or lists; ragged; each
+        non-empty). Returns fp32 tensors, out[i][j] = log p(seq_i[j+1] | seq_i[:j+1]) under
+        log_softmax(logits / temperature), len(seq_i) - 1 each. temperature: > 0, a normal number
+        in fp32. Sequences are scored micro_batch_size (an int >= 1; None = all) at a time,
+        packed (cu_seqlens) or padded (attention_mask). Differentiable when grad is enabled.
+        Under TP every rank of the group must pass the same sequences and settings (checked:
+        a mismatch raises RuntimeError on every rank, before any forward).
         """
-        if temperature <= 0:
-            raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-        seqs = [torch.as_tensor(s).long().reshape(-1) for s in sequences]
-        if any(len(s) == 0 for s in seqs):
-            raise ValueError("token_logprobs: every sequence needs at least one token")
-        mb = micro_batch_size or max(len(seqs), 1)
-        if mb < 1:
-            raise ValueError(f"token_logprobs: micro_batch_size must be >= 1, got {mb}")
+        from ..checks import TPCheck, as_int, check_temperature, sequence_list, token_ids
+        who, V, limit = "token_logprobs", self.config.vocab_size, \
+            self.config.max_position_embeddings
+
+        def check():
+            T = check_temperature(who, temperature, greedy_ok=False)
+            mb = None if micro_batch_size is None else \
+                as_int(who, "micro_batch_size", micro_batch_size, 1)
+            if not isinstance(packed, bool):
+                raise TypeError(f"{who}: packed must be True or False, got {packed!r}")
+            seqs = [token_ids(who, f"sequence {i}", s, V)
+                    for i, s in enumerate(sequence_list(who, "sequences", sequences))]
+            for i, s in enumerate(seqs):
+                if not 0 < len(s) <= limit:
+                    raise ValueError(f"{who}: sequence {i} has {len(s)} tokens; every sequence "
+                                     f"needs at least one token and at most "
+                                     f"max_position_embeddings={limit}")
+            return seqs, T, mb or max(len(seqs), 1)
+
+        seqs, temperature, mb = TPCheck.of(self, who).agreed(
+            check, lambda v: (v[1:], packed, [len(s) for s in v[0]],
+                              torch.cat(v[0]) if v[0] else None))
         out: List[torch.Tensor] = []
         for i in range(0, len(seqs), mb):
             out.extend(self._score(seqs[i:i + mb], temperature, packed))
