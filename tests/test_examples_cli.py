@@ -15,7 +15,7 @@ import torch
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from tonp_models.generation import GenerationOutput
-from tonp_models.training import ByteTokenizer, read_jsonl
+from tonp_models.training import ByteTokenizer, CheckpointManager, read_jsonl
 from tonp_models.training.cli import run_script
 
 from test_examples import EXAMPLES, TINY, load_example
@@ -93,6 +93,8 @@ def test_rollout_never_writes_non_finite_logprobs(tmp_path):
 
 # -- user errors: one line, exit 1 (argparse: exit 2), no traceback ---------------------------------
 def _cases(tmp_path, hf_dir):
+    saved = tmp_path / "saved"                         # a run's checkpoint root, not a step
+    CheckpointManager(str(saved)).save(1, {"x": torch.zeros(1)}, {})
     (tmp_path / "file").write_text("x")
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1") * 100)
@@ -102,6 +104,7 @@ def _cases(tmp_path, hf_dir):
     return [
         ("pretrain", base + ["--data", str(tmp_path / "missing.txt")], "data file not found"),
         ("pretrain", base + ["--resume", str(tmp_path / "gone")], "no checkpoint directory"),
+        ("pretrain", base + ["--resume", str(saved)], "step_00000001 is the newest): pass one"),
         ("pretrain", base + ["--resume"], "no complete checkpoint under"),
         ("pretrain", base + ["--set", "bogus=1"], "bogus is not a Qwen3MoeConfig field"),
         ("pretrain", base + ["--set", "num_hidden_layers=x"], "num_hidden_layers='x'"),

@@ -188,8 +188,11 @@ def read_meta(path: str) -> Dict[str, Any]:
         raise CheckpointError(f"no checkpoint directory at {path}")
     mpath = os.path.join(path, "meta.json")
     if not os.path.isfile(mpath):
+        inside = CheckpointManager(path).complete()
+        hint = (f"; it holds checkpoints ({os.path.basename(inside[-1])} is the newest): pass "
+                f"one of them, or --resume alone for the latest") if inside else ""
         raise CheckpointError(f"{path} has no meta.json: it is not a checkpoint, or its save was "
-                              f"interrupted")
+                              f"interrupted{hint}")
     try:
         with open(mpath) as f:
             return json.load(f)

@@ -65,7 +65,7 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=tk.MODES, default="invariant", help="tonp kernel mode")
     ap.add_argument("--dist-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                     help="under torchrun: how long a collective waits for a stalled rank before "
-                         "every rank fails (default 600)")
+                         "every rank fails (default %(default)s)")
 
 
 def add_config_args(ap: argparse.ArgumentParser) -> None:
