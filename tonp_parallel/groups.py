@@ -31,10 +31,11 @@ and that is the order of the fixed-order reduction tree.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,9 @@ class ParallelGroups:
                                    [e * E / ep, (e + 1) * E / ep) (see `local_experts`)
       dp_group, dp_rank, dp_size   data parallelism of the dense layers (replicas of a TP shard)
       expert_tp_group/_rank/_size  tensor parallelism inside an expert (1 = whole experts)
+      expert_dp_group/_rank/_size  the ranks holding the same experts (expert gradients are
+                                   averaged over it; it spans the dense DP replicas and, when
+                                   tp > ep, the TP ranks that hold a copy of the same experts)
       rank, world_size             global rank and world size (0 and 1 when single-process)
     """
 
@@ -124,6 +128,9 @@ class ParallelGroups:
     expert_tp_group: Optional[dist.ProcessGroup] = None
     expert_tp_rank: int = 0
     expert_tp_size: int = 1
+    expert_dp_group: Optional[dist.ProcessGroup] = None
+    expert_dp_rank: int = 0
+    expert_dp_size: int = 1
     rank: int = 0
     world_size: int = 1
     backend: Optional[str] = field(default=None, compare=False)
@@ -166,6 +173,9 @@ class ParallelGroups:
             expert_tp_group=ps.get_expert_tensor_parallel_group(),
             expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
             expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
+            expert_dp_group=ps.get_expert_data_parallel_group(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
+            expert_dp_size=ps.get_expert_data_parallel_world_size(),
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             backend=dist.get_backend(),
@@ -178,15 +188,6 @@ class ParallelGroups:
                              f"ep={self.ep_size} ranks (EP must divide the number of experts)")
         n = num_experts // self.ep_size
         return range(self.ep_rank * n, (self.ep_rank + 1) * n)
-
-    def expert_owner(self, expert_id: int, num_experts: int) -> int:
-        """The EP rank that owns `expert_id`."""
-        return expert_id // (num_experts // self.ep_size)
-
-    def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
-                f"ep {self.ep_rank}/{self.ep_size}, dp {self.dp_rank}/{self.dp_size}, "
-                f"expert_tp {self.expert_tp_rank}/{self.expert_tp_size}")
 
 
 def default_backend() -> str:
@@ -211,14 +212,17 @@ _CACHE_WORLD: Optional[dist.ProcessGroup] = None
 
 
 def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Optional[str] = None,
-                  timeout: timedelta = timedelta(minutes=10)) -> ParallelGroups:
-    """Create the TP / EP / DP groups of the module-doc layout on every rank.
+                  timeout: Union[timedelta, float] = timedelta(minutes=10)) -> ParallelGroups:
+    """Create the TP / EP / DP / expert-DP groups of the module-doc layout on every rank.
 
     Initialises torch.distributed from the environment (torchrun's RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT; LOCAL_RANK picks the device) unless it is already initialised.
     Collective: every rank must call it with the same arguments. Without torch.distributed and
     without torchrun's environment, tp = ep = 1 gives `ParallelGroups.single()`.
+    timeout (a timedelta or seconds): how long a collective waits for a stalled peer before it
+    raises, for the default group (when this call creates it) and every group made here.
     """
+    timeout = _as_timeout(timeout)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             if tp == ep == expert_tp == 1:
@@ -240,7 +244,7 @@ def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Opti
         _GROUP_CACHE.clear()
         _CACHE_WORLD = dist.group.WORLD
     mine: Dict[str, Optional[dist.ProcessGroup]] = {}
-    for kind in ("tp", "dp", "ep", "expert_tp"):
+    for kind in ("tp", "dp", "ep", "expert_tp", "expert_dp"):
         for ranks in getattr(layout, f"{kind}_groups"):
             if ranks not in _GROUP_CACHE:
                 _GROUP_CACHE[ranks] = None if len(ranks) == 1 else dist.new_group(
@@ -252,10 +256,20 @@ def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Opti
         ranks = layout.group_of(kind, rank)
         return ranks.index(rank), len(ranks)
 
-    (tpr, tps), (dpr, dps), (epr, eps), (etr, ets) = (_pos(k) for k in ("tp", "dp", "ep",
-                                                                           "expert_tp"))
+    (tpr, tps), (dpr, dps), (epr, eps), (etr, ets), (edr, eds) = (
+        _pos(k) for k in ("tp", "dp", "ep", "expert_tp", "expert_dp"))
     return ParallelGroups(tp_group=mine["tp"], ep_group=mine["ep"], dp_group=mine["dp"],
                           tp_rank=tpr, tp_size=tps, ep_rank=epr, ep_size=eps, dp_rank=dpr,
                           dp_size=dps, expert_tp_group=mine["expert_tp"], expert_tp_rank=etr,
-                          expert_tp_size=ets, rank=rank, world_size=world,
+                          expert_tp_size=ets, expert_dp_group=mine["expert_dp"],
+                          expert_dp_rank=edr, expert_dp_size=eds, rank=rank, world_size=world,
                           backend=dist.get_backend())
+
+
+def _as_timeout(timeout: Union[timedelta, float]) -> timedelta:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"tonp_parallel.init_parallel: timeout must be a positive number of "
+                         f"seconds or a timedelta, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
