@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 import tonp_kernels as tk
+from tonp_parallel import group_size, validate_model_layout
+from tonp_parallel.sharding import Shard, parameter_shards
 
 from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
                       RotaryEmbedding, SparseMoeBlock)
-from ..layers.linear import Shard, shards_of
 from .config import Qwen3MoeConfig
 
 
@@ -63,22 +64,6 @@ def _group(groups, name):
     return None if groups is None else getattr(groups, name, None)
 
 
-def _check_layout(config: Qwen3MoeConfig, groups) -> None:
-    """Clear errors for a layout the model cannot be split by (before any weight is built)."""
-    tp, ep = _group(groups, "tp_group"), _group(groups, "ep_group")
-    if tp is None and ep is None:
-        return
-    import tonp_parallel as tpar
-    if getattr(groups, "expert_tp_size", 1) != 1:
-        raise ValueError(f"Qwen3MoeForCausalLM: expert tensor parallelism (expert_tp="
-                         f"{groups.expert_tp_size}) is not supported; experts are whole on "
-                         f"each rank (init_parallel(..., expert_tp=1))")
-    t, e = tpar.group_size(tp), tpar.group_size(ep)
-    tpar.validate_model_layout(config, tp=t, ep=e)
-    if t > 1 and e > 1 and t % e and e % t:
-        raise ValueError(f"Qwen3MoeForCausalLM: tp={t} and ep={e} must divide one another")
-
-
 class Qwen3MoeForCausalLM(nn.Module):
     """The Qwen3-MoE causal LM (transformers' architecture and numerics, tonp's kernels).
 
@@ -95,9 +80,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
-        _check_layout(config, groups)
-        self.config, self.dtype, self.groups = config, dtype, groups
         c, tp = config, _group(groups, "tp_group")
+        if groups is not None:  # the layout rules, before any weight is built
+            validate_model_layout(c, tp=group_size(tp), ep=group_size(_group(groups, "ep_group")),
+                                  expert_tp=getattr(groups, "expert_tp_size", 1))
+        self.config, self.dtype, self.groups = config, dtype, groups
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups)
                                     for i in range(c.num_hidden_layers))
@@ -127,12 +114,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                     p.normal_(0.0, self.config.initializer_range)
 
     def parameter_shards(self) -> Dict[str, Shard]:
-        """{parameter name: Shard} for every parameter this rank holds only a slice of."""
-        out = {}
-        for mname, mod in self.named_modules():
-            for pname, shard in shards_of(mod).items():
-                out[f"{mname}.{pname}" if mname else pname] = shard
-        return out
+        """{parameter name: Shard(dim, start, length, full, group "tp" | "ep")} for every
+        parameter this rank holds only a slice of: the one source of which parameter is
+        sharded (init, checkpoints, gradient sync); the others are whole on every rank."""
+        return parameter_shards(self)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
