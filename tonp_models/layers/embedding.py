@@ -47,7 +47,7 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if self.tp_size == 1:
-            return self.weight.index_select(0, flat).view(*ids.shape, -1)
+            return self.weight.index_select(0, flat).view(*ids.shape, self.weight.shape[-1])
         from tonp_parallel import reduce_from_region
         local = flat - self.vocab_start
         foreign = (local < 0) | (local >= self.local_vocab)
@@ -55,7 +55,7 @@ class Embedding(nn.Module):
         rows = rows.masked_fill(foreign.unsqueeze(1), 0.0)
         # One non-zero addend per element: the fp32 sum is exact, then the cast is too.
         y = reduce_from_region(rows.float(), self.tp_group).to(self.weight.dtype)
-        return y.view(*ids.shape, -1)
+        return y.view(*ids.shape, self.weight.shape[-1])
 
 
 class LMHead(nn.Module):

@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from tonp_parallel.layout import layout_problems
+
 # Keys HF writes that carry no numerics (bookkeeping, generation and training knobs).
 _METADATA_KEYS = {
     "_name_or_path", "architectures", "model_type", "transformers_version", "use_cache",
@@ -119,7 +121,6 @@ class Qwen3MoeConfig:
             errs.append(f"attention_dropout={self.attention_dropout} is not supported (must be 0)")
         if self.use_sliding_window:
             errs.append("use_sliding_window=True is not supported")
-        from tonp_parallel.layout import layout_problems
         errs += layout_problems(self)
         if errs:
             raise ValueError("Qwen3MoeConfig: " + "; ".join(errs))
@@ -166,7 +167,8 @@ class Qwen3MoeConfig:
     def preset(cls, name: str, **overrides) -> "Qwen3MoeConfig":
         """A named configuration from PRESETS, with fields overridden by keyword."""
         if name not in PRESETS:
-            raise KeyError(f"Qwen3MoeConfig.preset: unknown preset {name!r}; have {sorted(PRESETS)}")
+            raise KeyError(f"Qwen3MoeConfig.preset: unknown preset {name!r}; have "
+                           f"{sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
 
