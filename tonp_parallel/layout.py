@@ -79,7 +79,8 @@ def _size_problems(config, tp: int) -> List[str]:
            and not (k == "num_experts" and v == 0)]
     if bad:
         return errors + [f"{k}={sizes[k]!r} must be a positive int" for k in bad]
-    hidden, hq, hkv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    hidden, hq = sizes["hidden_size"], sizes["num_attention_heads"]
+    hkv = sizes["num_key_value_heads"]
     head_dim = sizes["head_dim"] or (hidden // hq if hidden and hq else None)
 
     def chunked(name, value, why):
