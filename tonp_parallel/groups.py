@@ -40,6 +40,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .layout import validate_model_layout
+
 Ranks = Tuple[int, ...]
 
 
@@ -66,17 +68,9 @@ class RankLayout:
 
 
 def check_layout(world_size: int, tp: int = 1, ep: int = 1, expert_tp: int = 1) -> None:
-    """Raise ValueError unless tp, ep and expert_tp tile `world_size` ranks."""
-    for name, v in (("world_size", world_size), ("tp", tp), ("ep", ep), ("expert_tp", expert_tp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"tonp_parallel: {name} must be a positive int, got {v!r}")
-    if world_size % tp:
-        raise ValueError(f"tonp_parallel: world size {world_size} is not divisible by tp={tp} "
-                         f"(the dense layout is world = dp x tp)")
-    if world_size % (ep * expert_tp):
-        raise ValueError(f"tonp_parallel: world size {world_size} is not divisible by ep x "
-                         f"expert_tp = {ep} x {expert_tp} (the expert layout is world = "
-                         f"expert_dp x ep x expert_tp)")
+    """Raise ValueError unless tp, ep and expert_tp tile `world_size` ranks (the rules live in
+    `tonp_parallel.layout`)."""
+    validate_model_layout(None, tp, ep, expert_tp, world_size=world_size)
 
 
 def rank_layout(world_size: int, tp: int = 1, ep: int = 1, expert_tp: int = 1) -> RankLayout:

@@ -47,7 +47,7 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if self.tp_size == 1:
-            return self.weight.index_select(0, flat).view(*ids.shape, -1)
+            return self.weight.index_select(0, flat).view(*ids.shape, self.weight.shape[-1])
         from tonp_parallel import reduce_from_region
         from .probe import probe
         local = flat - self.vocab_start
@@ -57,7 +57,7 @@ class Embedding(nn.Module):
         # One non-zero addend per element: the fp32 sum is exact, then the cast is too.
         y = reduce_from_region(rows.float(), self.tp_group)
         probe("reduce", y, kind="collective")
-        return y.to(self.weight.dtype).view(*ids.shape, -1)
+        return y.to(self.weight.dtype).view(*ids.shape, self.weight.shape[-1])
 
 
 class LMHead(nn.Module):

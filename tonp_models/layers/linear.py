@@ -1,30 +1,23 @@
-"""Tensor-parallel-ready linear layers. Each allocates only its LOCAL shard when built.
+"""Tensor-parallel linear layers; each allocates only its LOCAL shard when built.
 
-At TP degree 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP degree t:
-- ColumnParallelLinear holds out_features / t output rows: copy_to_region(x) then the local
-  linear; the output stays sharded on its last dim.
+At TP 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP t:
+- ColumnParallelLinear holds out_features / t output rows (copy_to_region, then the local
+  linear); its output stays sharded on the last dim. `copies` consecutive ranks may hold the
+  same shard (KV heads when t exceeds them); their gradients are summed over the copies.
 - RowParallelLinear holds in_features / t input columns = C / t chunks of the chunk tree: the
-  local fp32 subtree (`linear_partial`), then `reduce_from_region` finishes the tree over ranks
-  in rank order, so the bits equal TP 1 (CONTRACT.md, chunk tree). The bias comes after.
-When TP exceeds the number of shards a weight splits into (KV heads), ColumnParallelLinear
-takes `copies`: that many consecutive TP ranks hold the same shard, and its gradient is summed
-over them (`tonp_parallel.sharding.sum_over_replicas`) so every copy gets the whole gradient.
-
-Every sharded parameter is described by a `Shard` in its module's `shards` dict: which slice of
-the full (TP 1 / EP 1) tensor it holds. The model's init, the checkpoint loader and the saver
-all use it, so a sharded model is exactly the shards of the unsharded one.
-tonp_parallel is imported only on the TP > 1 path (layers sit above parallel in the import
-order, and TP 1 must not need torch.distributed).
+  local fp32 subtree, then `reduce_from_region` finishes the tree over ranks in rank order, so
+  the bits equal TP 1 (CONTRACT.md, chunk tree). The bias comes after.
+Each sharded parameter is described by a `tonp_parallel.Shard` in the module's `shards`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 import tonp_kernels as tk
+from tonp_parallel.sharding import Shard  # moe.py and embedding.py import it from here too
 
 
 def _tp_size(group) -> int:
@@ -45,31 +38,6 @@ def _divide(n: int, t: int, what: str) -> int:
     if n % t:
         raise ValueError(f"{what}={n} is not divisible by the tensor-parallel degree {t}")
     return n // t
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A local parameter is full.narrow(dim, start, length) of the full tensor, whose size on
-    `dim` is `full`; `group` names the ParallelGroups group that splits it ("tp" or "ep")."""
-    dim: int
-    start: int
-    length: int
-    full: int
-    group: str = "tp"
-
-    def full_shape(self, local_shape) -> Tuple[int, ...]:
-        shape = list(local_shape)
-        shape[self.dim] = self.full
-        return tuple(shape)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard's slice of the full tensor (a view)."""
-        return full.narrow(self.dim, self.start, self.length)
-
-
-def shards_of(module: nn.Module) -> Dict[str, Shard]:
-    """The module's {local parameter name: Shard} (empty when nothing is sharded)."""
-    return getattr(module, "shards", None) or {}
 
 
 class ColumnParallelLinear(nn.Module):
@@ -160,12 +128,4 @@ class RowParallelLinear(nn.Module):
                 f"tp={self.tp_size}, chunks={self.chunks}")
 
 
-def init_normal_(module: nn.Module, std: float) -> None:
-    """HF-like init: weights ~ normal(0, std), biases 0 (in module order, from torch's RNG)."""
-    with torch.no_grad():
-        module.weight.normal_(0.0, std)
-        if getattr(module, "bias", None) is not None:
-            module.bias.zero_()
-
-
-__all__ = ["Shard", "shards_of", "ColumnParallelLinear", "RowParallelLinear", "init_normal_"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

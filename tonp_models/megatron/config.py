@@ -4,19 +4,8 @@
     tc = transformer_config_from_qwen3(qwen3_cfg)    # a TransformerConfig for tonp's layers
     cfg = qwen3_config_from_transformer(tc, vocab_size=..., rope_theta=...)
 
-Mapping (TransformerConfig -> tonp layer argument):
-    hidden_size -> hidden_size              num_attention_heads -> num_heads
-    num_query_groups -> num_kv_heads        kv_channels -> head_dim
-    ffn_hidden_size -> intermediate_size    moe_ffn_hidden_size -> moe_intermediate_size
-    num_moe_experts -> num_experts          moe_router_topk -> top_k
-    layernorm_epsilon -> rms_norm_eps       params_dtype -> dtype
-    moe_router_pre_softmax False -> norm_topk_prob True (softmax over the top-k logits equals
-        the renormalised top-k of the full softmax); True -> norm_topk_prob False
-    moe_layer_freq -> which layers are sparse (megatron's pattern: layer i is MoE if
-        i % freq == 0, or the 0/1 list) -> Qwen3's mlp_only_layers
-Required: normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True with
-activation_func=F.silu (SwiGLU, gate rows first), no linear biases. Everything that changes the
-math in a way tonp's kernels do not implement is refused (see `_problems`).
+The field mapping (and why moe_router_pre_softmax False is norm_topk_prob True) and the list
+of refused settings are in docs/megatron.md; `_problems` is the code of that list.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """ModuleSpecs that make a megatron-core TransformerLayer / TransformerBlock run tonp's layers.
 
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from tonp_models.megatron import get_tonp_block_spec
     block = TransformerBlock(config, get_tonp_block_spec(config, rotary_base=1e6))
-    out = block(hidden_states_sbh, attention_mask=None)                     # [s, b, h]
+    layer_spec = get_tonp_layer_spec(moe=True, rotary_base=1e6)   # for your own block spec
 
-    # or per layer, e.g. inside your own block spec / GPTModel:
-    layer_spec = get_tonp_layer_spec(moe=True, rotary_base=1e6)
-
-The layer itself stays megatron's `TransformerLayer` (residuals, recompute, offloading, hooks);
-only its norms, attention, MLP and residual add are tonp's. Options that are not in
-TransformerConfig travel in the spec: rotary_base and max_position_embeddings (GPTModel
-arguments), attention_block (B) and reduction_chunks (C) (tonp's own), and optionally a
-pg_collection for the MLP (megatron's TransformerLayer passes its process groups to attention
-but not to an MLP class it does not know; without one the MLP takes parallel_state's groups).
+The layer stays megatron's `TransformerLayer` (residuals, recompute, hooks); its norms,
+attention, MLP and residual add are tonp's. Options TransformerConfig lacks travel in the spec:
+rotary_base, max_position_embeddings, attention_block (B), reduction_chunks (C), and a
+pg_collection for the MLP (TransformerLayer does not pass its groups to an MLP class it does
+not know; without one the MLP takes parallel_state's groups).
 """
 from __future__ import annotations
 

@@ -9,14 +9,10 @@ Without a cache every sequence is whole (positions 0..n-1) and the forward is di
 with a cache, sequence i continues slot cache_slots[i] from cache.lengths[slot]. Nothing else
 differs: the same kernels see the same rows, so a token's logits are the same bits either way.
 
-Under tensor / expert parallelism (`groups`, a tonp_parallel.ParallelGroups) every layer holds
-its local shard (see tonp_models/layers) and every output is the same bits as the unsharded
-model's: `forward` returns the full fp32 logits on every rank (the vocab shards are gathered,
-which is exact; the generator only asks for the decode rows), while `token_logprobs` scores
-with the vocab-parallel LM head without gathering the vocabulary. Every rank of a TP/EP group
-must make the same calls (TP ranks with the same tokens; EP ranks any tokens).
-`torch.manual_seed(s)` before construction gives every rank the shards of the weights the
-unsharded model gets from the same seed.
+Under TP / EP (`groups`, a tonp_parallel.ParallelGroups) each layer holds its shard
+(`parameter_shards()` says which) and every output has the unsharded model's bits; TP ranks
+make the same calls with the same tokens, EP ranks the same calls with any tokens.
+`forward` gathers the vocab shards (exact); `token_logprobs` scores without gathering them.
 """
 from __future__ import annotations
 
@@ -26,10 +22,11 @@ import torch
 from torch import nn
 
 import tonp_kernels as tk
+from tonp_parallel import group_size, validate_model_layout
+from tonp_parallel.sharding import Shard, parameter_shards
 
 from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
                       RotaryEmbedding, SparseMoeBlock)
-from ..layers.linear import Shard, shards_of
 from .config import Qwen3MoeConfig
 
 
@@ -63,22 +60,6 @@ def _group(groups, name):
     return None if groups is None else getattr(groups, name, None)
 
 
-def _check_layout(config: Qwen3MoeConfig, groups) -> None:
-    """Clear errors for a layout the model cannot be split by (before any weight is built)."""
-    tp, ep = _group(groups, "tp_group"), _group(groups, "ep_group")
-    if tp is None and ep is None:
-        return
-    import tonp_parallel as tpar
-    if getattr(groups, "expert_tp_size", 1) != 1:
-        raise ValueError(f"Qwen3MoeForCausalLM: expert tensor parallelism (expert_tp="
-                         f"{groups.expert_tp_size}) is not supported; experts are whole on "
-                         f"each rank (init_parallel(..., expert_tp=1))")
-    t, e = tpar.group_size(tp), tpar.group_size(ep)
-    tpar.validate_model_layout(config, tp=t, ep=e)
-    if t > 1 and e > 1 and t % e and e % t:
-        raise ValueError(f"Qwen3MoeForCausalLM: tp={t} and ep={e} must divide one another")
-
-
 class Qwen3MoeForCausalLM(nn.Module):
     """The Qwen3-MoE causal LM (transformers' architecture and numerics, tonp's kernels).
 
@@ -95,9 +76,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
-        _check_layout(config, groups)
-        self.config, self.dtype, self.groups = config, dtype, groups
         c, tp = config, _group(groups, "tp_group")
+        if groups is not None:  # the layout rules, before any weight is built
+            validate_model_layout(c, tp=group_size(tp), ep=group_size(_group(groups, "ep_group")),
+                                  expert_tp=getattr(groups, "expert_tp_size", 1))
+        self.config, self.dtype, self.groups = config, dtype, groups
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups)
                                     for i in range(c.num_hidden_layers))
@@ -127,12 +110,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                     p.normal_(0.0, self.config.initializer_range)
 
     def parameter_shards(self) -> Dict[str, Shard]:
-        """{parameter name: Shard} for every parameter this rank holds only a slice of."""
-        out = {}
-        for mname, mod in self.named_modules():
-            for pname, shard in shards_of(mod).items():
-                out[f"{mname}.{pname}" if mname else pname] = shard
-        return out
+        """{parameter name: Shard(dim, start, length, full, group "tp" | "ep")} for every
+        parameter this rank holds only a slice of: the one source of which parameter is
+        sharded (init, checkpoints, gradient sync); the others are whole on every rank."""
+        return parameter_shards(self)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
@@ -153,39 +134,32 @@ class Qwen3MoeForCausalLM(nn.Module):
                 instead of logits (for `lm_head.token_logprobs` / `lm_head.argmax`).
         Returns: fp32 [T, V] (packed), [R, V] (logits_rows), or [B, L, V] (padded, pads 0).
         """
-        if input_ids.dim() == 2:
+        ids = _int_tensor(input_ids, "input_ids")
+        if ids.dim() == 2:
             if cu_seqlens is not None or logits_rows is not None or return_hidden:
                 raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
                                  "attention_mask, not cu_seqlens/logits_rows/return_hidden")
-            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
-                else attention_mask.bool()
-            if mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids "
-                                 f"{tuple(input_ids.shape)}")
+            mask = _mask_of(attention_mask, ids)
             counts = mask.sum(1)
             cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(counts, 0)
-            packed = self.forward(input_ids[mask], cu, cache=cache, cache_slots=cache_slots)
-            out = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+            packed = self.forward(ids[mask], cu, cache=cache, cache_slots=cache_slots)
+            out = packed.new_zeros(*ids.shape, packed.shape[-1])
             out[mask] = packed
             return out
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be [T] (packed) or [B, L] (padded), got "
-                             f"{tuple(input_ids.shape)}")
+        if ids.dim() != 1:
+            raise ValueError(f"Qwen3MoeForCausalLM: input_ids must be [T] (packed) or [B, L] "
+                             f"(padded), got shape {tuple(ids.shape)}")
         if attention_mask is not None:
             raise ValueError("attention_mask is for padded [B, L] input_ids; packed input takes "
                              "cu_seqlens")
-        ids = input_ids.long()
+        ids = ids.long()
         T = ids.shape[0]
-        cu = torch.tensor([0, T], dtype=torch.int32) if cu_seqlens is None \
-            else cu_seqlens.to(torch.int32)
-        bounds = cu.tolist()  # one read of the boundaries (each tensor op is ~2 us a decode step)
-        if cu.dim() != 1 or not bounds or bounds[0] != 0 or bounds[-1] != T:
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
+        cu, bounds = _bounds_of(cu_seqlens, T)
         counts = [b - a for a, b in zip(bounds, bounds[1:])]
-        if min(counts, default=0) < 0:
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
         self._check_ids(ids)
+        if logits_rows is not None:
+            logits_rows = _rows_of(logits_rows, T)
         attn_kw, step = self._positions(cu, counts, cache, cache_slots)
         positions = attn_kw.pop("positions")
 
@@ -195,7 +169,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         if cache is not None:
             cache.commit(step)
         if logits_rows is not None:
-            h = h.index_select(0, logits_rows.long())                              # (R, H)
+            h = h.index_select(0, logits_rows)                                     # (R, H)
         h = self.norm(h)                                                           # (T|R, H)
         if return_hidden:
             return h
@@ -209,6 +183,20 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
                              f"range [0, {V})")
 
+    def _check_cache(self, cache) -> None:
+        """A cache of this model's layers, KV heads, head_dim, dtype and page = attention block
+        (another page size would split the keys into other blocks: other bits)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"Qwen3MoeForCausalLM: cache must be a PagedKVCache (model.new_cache),"
+                            f" got {type(cache).__name__}")
+        c, attn = self.config, self.layers[0].self_attn
+        want = (c.num_hidden_layers, c.attention_block, attn.local_kv_heads, c.head_dim, self.dtype)
+        got = (len(cache.k), *cache.k[0].shape[1:], cache.k[0].dtype) if cache.k else None
+        if got != want:
+            raise ValueError(f"Qwen3MoeForCausalLM: the cache holds (layers, page size, KV heads, "
+                             f"head_dim, dtype) {got}, this model needs {want}; build it with "
+                             f"model.new_cache")
+
     def _positions(self, cu, counts, cache, cache_slots):
         """Positions of the packed rows (and the cache step): 0..n-1 per sequence without a
         cache, cache.lengths[slot]... with one. Checks the position limit before allocating."""
@@ -220,9 +208,11 @@ class Qwen3MoeForCausalLM(nn.Module):
                 raise ValueError(f"a sequence of {max(counts)} tokens exceeds "
                                  f"max_position_embeddings={limit}")
             T = int(cu[-1])
-            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts), output_size=T)
+            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts, dtype=torch.long),
+                                             output_size=T)
             return dict(positions=torch.arange(T) - starts, cu_seqlens=cu), None
-        slots = list(range(len(counts))) if cache_slots is None else [int(s) for s in cache_slots]
+        self._check_cache(cache)
+        slots = list(range(len(counts))) if cache_slots is None else _slots_of(cache_slots, cache)
         if len(slots) != len(counts):
             raise ValueError(f"{len(counts)} sequences but {len(slots)} cache_slots")
         for s, n in zip(slots, counts):
@@ -336,3 +326,70 @@ class Qwen3MoeForCausalLM(nn.Module):
         larger than max_shard_size bytes); transformers' from_pretrained reads it."""
         from .checkpoint import save_checkpoint
         save_checkpoint(self, path, max_shard_size=max_shard_size)
+
+
+# -- argument checks ------------------------------------------------------------------------------
+def _int_tensor(x, name: str) -> torch.Tensor:
+    """x as an integer tensor (a list of ints too); floats and bools are refused by name."""
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"Qwen3MoeForCausalLM: {name} must be an integer tensor, got "
+                            f"{type(x).__name__}") from e
+        if x.numel() == 0:
+            x = x.long()
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(f"Qwen3MoeForCausalLM: {name} must be an integer tensor, got {x.dtype}")
+    return x
+
+
+def _mask_of(attention_mask, ids: torch.Tensor) -> torch.Tensor:
+    """The bool mask of a padded batch: None = every position; else 0 / 1 values of ids' shape."""
+    if attention_mask is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                         f"{tuple(ids.shape)}")
+    mask = attention_mask.bool()
+    if attention_mask.dtype != torch.bool and not bool((attention_mask == mask).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    return mask
+
+
+def _bounds_of(cu_seqlens, T: int):
+    """(cu_seqlens as int32 [S+1], its values as a list), checked to rise from 0 to T. One read
+    of the values (each tensor op is ~2 us of a decode step)."""
+    if cu_seqlens is None:
+        return torch.tensor([0, T], dtype=torch.int32), [0, T]
+    cu = _int_tensor(cu_seqlens, "cu_seqlens")
+    bounds = cu.tolist()              # the values as given: no int32 wrap-around before the check
+    if cu.dim() != 1 or not bounds or bounds[0] != 0 or bounds[-1] != T or \
+            any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be 1-D, rise from 0 to T={T} and never fall; got "
+                         f"{bounds if len(bounds) < 20 else str(bounds[:20]) + '...'}")
+    return (cu if cu.dtype == torch.int32 else torch.tensor(bounds, dtype=torch.int32)), bounds
+
+
+def _rows_of(logits_rows, T: int) -> torch.Tensor:
+    rows = _int_tensor(logits_rows, "logits_rows")
+    if rows.dim() != 1:
+        raise ValueError(f"logits_rows must be 1-D, got shape {tuple(rows.shape)}")
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < T:
+        raise IndexError(f"logits_rows {rows.tolist()[:8]} must index the {T} packed rows "
+                         f"[0, {T})")
+    return rows.long()
+
+
+def _slots_of(cache_slots, cache: PagedKVCache) -> List[int]:
+    """Distinct integer slots of the cache (integer-likes accepted; 1.5, True, -1 refused)."""
+    slots = _int_tensor(cache_slots, "cache_slots").reshape(-1).tolist()
+    n = len(cache.lengths)
+    bad = [s for s in slots if not 0 <= s < n]
+    if bad or len(set(slots)) != len(slots):
+        raise ValueError(f"cache_slots {slots[:8]} must be distinct slots of the cache, in "
+                         f"[0, {n})")
+    return slots
+
