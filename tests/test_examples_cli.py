@@ -109,7 +109,7 @@ def _cases(tmp_path, hf_dir):
         ("pretrain", base + ["--set", "bogus=1"], "bogus is not a Qwen3MoeConfig field"),
         ("pretrain", base + ["--set", "num_hidden_layers=x"], "num_hidden_layers='x'"),
         ("pretrain", base + ["--set", "novalue"], "--set expects KEY=VALUE"),
-        ("pretrain", base + ["--config", str(tmp_path / "bad.json")], "not a valid JSON config"),
+        ("pretrain", base + ["--config", str(tmp_path / "bad.json")], "is not valid JSON"),
         ("pretrain", base + ["--tp", "2"], "needs several processes: launch with torchrun"),
         ("pretrain", base + ["--seq-len", "1000000"], "fewer than one global batch"),
         ("pretrain", base + ["--data", str(tmp_path / "latin1.txt")], "is not UTF-8 text"),

@@ -127,10 +127,7 @@ def load_config(args) -> Qwen3MoeConfig:
         raise ValueError(f"--set: {', '.join(unknown)} is not a Qwen3MoeConfig field")
     if not getattr(args, "config", None):
         return Qwen3MoeConfig.preset(args.preset, **overrides)
-    try:
-        return Qwen3MoeConfig.from_hf(args.config, **overrides)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {args.config}: not a valid JSON config ({e})") from e
+    return Qwen3MoeConfig.from_hf(args.config, **overrides)  # names the file on bad JSON
 
 
 # -- running --------------------------------------------------------------------------------------
