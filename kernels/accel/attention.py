@@ -46,8 +46,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, p_ptr, start_ptr, pos_ptr, s
     else:
         first = (tl.load(start_ptr + i).to(tl.int64) * Hkv + h) * D  # position 0 of the sequence
     m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    o = tl.zeros([GP, DP], tl.float32)
+    l = tl.full([GP], 0, tl.float32)
+    o = tl.full([GP, DP], 0, tl.float32)
     for b in range(pos // BLOCK + 1):
         n = tl.minimum(pos + 1 - b * BLOCK, BLOCK)
         if PAGED:
@@ -56,7 +56,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, p_ptr, start_ptr, pos_ptr, s
             off = first + b * (BLOCK * pos_stride)
         jm = j < n
         # Scores [GP, BP]: per key an 8-lane FMA chain over d, the hsum tree, times scale.
-        acc = tl.zeros([GP, BP, 8], tl.float32)
+        acc = tl.full([GP, BP, 8], 0, tl.float32)
         for s in range(D // 8):
             qv = nm.load_f32(q_rows[:, None] + s * 8 + lane[None, :], gm[:, None], BF16)
             kv = nm.load_f32(k_ptr + off + j[:, None] * pos_stride + s * 8 + lane[None, :],
@@ -64,8 +64,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, p_ptr, start_ptr, pos_ptr, s
             acc = tl.fma(qv[:, None, :], kv[None, :, :], acc)
         sc = nm.hsum8_3d(acc, GP, BP) * scale
         # The scan max from s[0]: a NaN s[0] stays; later NaNs never win.
-        s0 = nm.take(sc, j[None, :] == 0)
-        mb = tl.max(tl.where(jm[None, :] & (sc == sc), sc, float("-inf")), axis=1)
+        s0 = nm.take(sc, j[None, :] == 0, GP, BP)
+        mb = nm.row_max(tl.where(jm[None, :] & (sc == sc), sc, float("-inf")), GP, BP)
         mb = tl.where(s0 != s0, s0, mb)
         m_new = tl.where(mb > m, mb, m)
         alpha = tl.where(m == float("-inf"), 0.0, nm.exp(m - m_new))

@@ -30,7 +30,7 @@ def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.cons
                    X_BF16: tl.constexpr, W_BF16: tl.constexpr):
     """The [BM, BN] partials of the chunk [k0, k0 + kc): lane chains, tail, hsum tree."""
     lane = tl.arange(0, 8)
-    acc = tl.zeros([BM, BN, 8], tl.float32)
+    acc = tl.full([BM, BN, 8], 0, tl.float32)
     k8 = kc // 8 * 8
     for k in range(0, k8, 8):
         kk = (k0 + k + lane)[None, :]
@@ -67,7 +67,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estri
     cm = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-    p = tl.zeros([BM, BN], tl.float32)
+    p = tl.full([BM, BN], 0, tl.float32)
     l0 = p
     l1 = p
     l2 = p

@@ -34,7 +34,7 @@ def _moe_route_kernel(x_ptr, ids_ptr, w_ptr, M, E, TOPK, BM: tl.constexpr, EP: t
     for i in range(1, E):
         xi = nm.load_f32(x_rows + i, rm, BF16)
         mx = tl.where(xi > mx, xi, mx)
-    z = tl.zeros([BM], tl.float32)
+    z = tl.full([BM], 0, tl.float32)
     for i in range(E):
         z = z + nm.exp(nm.load_f32(x_rows + i, rm, BF16) - mx)
     e = tl.arange(0, EP)[None, :]
@@ -42,18 +42,18 @@ def _moe_route_kernel(x_ptr, ids_ptr, w_ptr, M, E, TOPK, BM: tl.constexpr, EP: t
     p = tl.div_rn(nm.exp(x - mx[:, None]), z[:, None])  # [BM, EP]: the same exp, the same division
     taken = tl.broadcast_to(e >= E, [BM, EP])  # padding ids count as taken
     slot = tl.arange(0, KP)[None, :]
-    w = tl.zeros([BM, KP], tl.float32)
-    ids = tl.zeros([BM, KP], tl.int64)
-    s = tl.zeros([BM], tl.float32)
+    w = tl.full([BM, KP], 0, tl.float32)
+    ids = tl.full([BM, KP], 0, tl.int64)
+    s = tl.full([BM], 0, tl.float32)
     for k in range(TOPK):
-        first = tl.min(tl.where(taken, EP, e), axis=1)  # the scan's starting candidate
-        p_first = nm.take(p, e == first[:, None])
+        first = nm.row_min(tl.where(taken, EP, e), BM, EP)  # the scan's starting candidate
+        p_first = nm.take(p, e == first[:, None], BM, EP)
         cand = (~taken) & (p == p)
-        top = tl.max(tl.where(cand, p, float("-inf")), axis=1)
-        best = tl.min(tl.where(cand & (p == top[:, None]), e, EP), axis=1)
+        top = nm.row_max(tl.where(cand, p, float("-inf")), BM, EP)
+        best = nm.row_min(tl.where(cand & (p == top[:, None]), e, EP), BM, EP)
         best = tl.where(p_first != p_first, first, best)
         hit = e == best[:, None]
-        wk = nm.take(p, hit)
+        wk = nm.take(p, hit, BM, EP)
         taken = taken | hit
         s = s + wk
         w = tl.where(slot == k, wk[:, None], w)

@@ -216,7 +216,37 @@ def chunk_tree_push(p, c: tl.constexpr, l0, l1, l2, l3, l4, l5):
 
 
 @triton.jit
-def take(v, hit):
-    """[A, B] -> [A]: the one element of each row where `hit` is true, bits exact (an integer sum
-    of one value and zeros; no float rounding, no lost sign of zero)."""
-    return tl.sum(tl.where(hit, v.to(tl.int32, bitcast=True), 0), axis=1).to(tl.float32, bitcast=True)
+def _tree(x, A: tl.constexpr, N: tl.constexpr, OP: tl.constexpr):
+    """[A, N] -> [A] (N a power of two <= 2^12) by a pairwise tree of OP: 0 max, 1 min (by `<`
+    and `>` selects), 2 add. Only triton.language builtins: no reduction whose order or NaN rule
+    the compiler picks, and no Triton library function (which would be compiled, not
+    interpreted, when triton was imported before TRITON_INTERPRET was set)."""
+    for lvl in tl.static_range(12):
+        if (N >> lvl) > 1:
+            a, b = tl.split(tl.reshape(x, [A, N >> (lvl + 1), 2]))
+            if OP == 0:
+                x = tl.where(b > a, b, a)
+            elif OP == 1:
+                x = tl.where(b < a, b, a)
+            else:
+                x = a + b
+    return tl.reshape(x, [A])
+
+
+@triton.jit
+def row_max(x, A: tl.constexpr, N: tl.constexpr):
+    """Max over the last axis of [A, N] (NaN-free input: the value is order-free)."""
+    return _tree(x, A, N, 0)
+
+
+@triton.jit
+def row_min(x, A: tl.constexpr, N: tl.constexpr):
+    """Min over the last axis of [A, N] (integers here: order-free)."""
+    return _tree(x, A, N, 1)
+
+
+@triton.jit
+def take(v, hit, A: tl.constexpr, N: tl.constexpr):
+    """[A, N] fp32 -> [A]: the one element of each row where `hit` is true, bits exact (an
+    integer sum of one value and zeros: no float rounding, no lost sign of zero)."""
+    return _tree(tl.where(hit, v.to(tl.int32, bitcast=True), 0), A, N, 2).to(tl.float32, bitcast=True)

@@ -24,7 +24,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, H, eps, BM: tl.constexpr, BH: tl.
     rm = (rows < M)[:, None]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
     lane = tl.arange(0, 8)[None, :]
-    acc = tl.zeros([BM, 8], tl.float32)
+    acc = tl.full([BM, 8], 0, tl.float32)
     h8 = H // 8 * 8
     for i in range(0, h8, 8):
         v = nm.load_f32(x_rows + i + lane, rm, BF16)
@@ -33,7 +33,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, H, eps, BM: tl.constexpr, BH: tl.
     v = nm.load_f32(x_rows + h8 + lane, rm & tail, BF16)
     acc = tl.where(tail, tl.fma(v, v, acc), acc)
     ss = nm.hsum8_2d(acc, BM)
-    r = tl.div_rn(1.0 + tl.zeros_like(ss), tl.sqrt_rn(tl.div_rn(ss, H.to(tl.float32)) + eps))
+    r = tl.div_rn(tl.full([BM], 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, H.to(tl.float32)) + eps))
     cols = tl.arange(0, BH)
     for h0 in range(0, H, BH):
         cm = (h0 + cols < H)[None, :]
@@ -156,7 +156,7 @@ def _moe_combine_kernel(w_ptr, y_ptr, out_ptr, M, K, H, BM: tl.constexpr, BH: tl
     rm = rows < M
     mask = rm[:, None] & (cols < H)[None, :]
     r64 = rows.to(tl.int64)
-    acc = tl.zeros([BM, BH], tl.float32)
+    acc = tl.full([BM, BH], 0, tl.float32)
     for k in range(K):
         wk = tl.load(w_ptr + r64 * K + k, mask=rm, other=0.0)
         yk = nm.load_f32(y_ptr + (r64 * K + k)[:, None] * H + cols[None, :], mask, BF16)

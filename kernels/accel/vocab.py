@@ -46,12 +46,12 @@ def _lse_chunks_kernel(x_ptr, m_ptr, s_ptr, M, V, vc, temperature, CHUNKS: tl.co
     for v0 in range(0, vc, BV):
         y = _scaled(x_c + v0 + cols, rm & (v0 + cols < vc), temperature, BF16, SCALED)
         ok = (v0 + cols < vc) & (y == y)
-        top = tl.max(tl.where(ok, y, float("-inf")), axis=1)
-        at = tl.min(tl.where(ok & (y == top[:, None]), cols, BV), axis=1)
-        top = nm.take(y, cols == at[:, None])  # the first maximum's own bits (its zero sign)
+        top = nm.row_max(tl.where(ok, y, float("-inf")), BM, BV)
+        at = nm.row_min(tl.where(ok & (y == top[:, None]), cols, BV), BM, BV)
+        top = nm.take(y, cols == at[:, None], BM, BV)  # the first maximum's own bits (its zero sign)
         mx = tl.where((at < BV) & (top > mx), top, mx)
     lane = tl.arange(0, 8)[None, :]
-    acc = tl.zeros([BM, 8], tl.float32)
+    acc = tl.full([BM, 8], 0, tl.float32)
     v8 = vc // 8 * 8
     for v0 in range(0, v8, 8):
         y = _scaled(x_c + v0 + lane, rm, temperature, BF16, SCALED)
@@ -199,8 +199,8 @@ def _max_with_index_kernel(x_ptr, val_ptr, idx_ptr, M, V, BM: tl.constexpr, BV: 
     for v0 in range(0, V, BV):
         y = nm.load_f32(x_rows[:, None] + v0 + cols, rm[:, None] & (v0 + cols < V), BF16)
         ok = (v0 + cols < V) & (y == y)
-        top = tl.max(tl.where(ok, y, float("-inf")), axis=1)
-        at = tl.min(tl.where(ok & (y == top[:, None]), cols, BV), axis=1)
+        top = nm.row_max(tl.where(ok, y, float("-inf")), BM, BV)
+        at = nm.row_min(tl.where(ok & (y == top[:, None]), cols, BV), BM, BV)
         upd = (at < BV) & ((best_i < 0) | (top > best_v))  # strictly greater: lowest index wins
         best_v = tl.where(upd, top, best_v)
         best_i = tl.where(upd, v0 + at, best_i)
