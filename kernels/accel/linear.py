@@ -47,6 +47,19 @@ def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
+def _chunk_tree(x_rows, w_rows, xm, wm, c0: tl.constexpr, n: tl.constexpr, kc, BM: tl.constexpr,
+                BN: tl.constexpr, X_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """Chunks c0 .. c0 + n - 1 (n a power of two) by the pairwise chunk tree (kernels_impl.h
+    chunk_tree): ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), unrolled at compile time, left + right."""
+    if n == 1:
+        return _chunk_partial(x_rows, w_rows, xm, wm, c0 * kc, kc, BM, BN, X_BF16, W_BF16)
+    else:
+        left = _chunk_tree(x_rows, w_rows, xm, wm, c0, n // 2, kc, BM, BN, X_BF16, W_BF16)
+        return left + _chunk_tree(x_rows, w_rows, xm, wm, c0 + n // 2, n // 2, kc, BM, BN, X_BF16,
+                                  W_BF16)
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estride,
                    CHUNKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    X_BF16: tl.constexpr, W_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -67,17 +80,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estri
     cm = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-    p = tl.full([BM, BN], 0, tl.float32)
-    l0 = p
-    l1 = p
-    l2 = p
-    l3 = p
-    l4 = p
-    l5 = p
-    for c in tl.static_range(CHUNKS):
-        p = _chunk_partial(x_rows, w_rows, rm[:, None], cm[:, None], c * kc, kc, BM, BN, X_BF16,
-                           W_BF16)
-        p, l0, l1, l2, l3, l4, l5 = nm.chunk_tree_push(p, c, l0, l1, l2, l3, l4, l5)
+    p = _chunk_tree(x_rows, w_rows, rm[:, None], cm[:, None], 0, CHUNKS, kc, BM, BN, X_BF16, W_BF16)
     if HAS_BIAS:
         p = p + tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]

@@ -1,9 +1,8 @@
 """The exact numerics shared by every Triton kernel: the CPU kernels' exp and log built from FMAs,
-bf16 conversions in integer bits, the eight-lane hsum tree and the chunk tree.
+bf16 conversions in integer bits, the eight-lane hsum tree, order-free reduction trees.
 
 Each function performs the operation sequence of its twin in kernels/csrc/simd.h (vexp, vlog,
-f32_to_bf16, hsum) and kernels_impl.h (chunk_tree), so IEEE fp32 gives the same bits on any
-device. Rules kept throughout (docs/accelerators.md): products that the CPU fuses are written
+f32_to_bf16, hsum), so IEEE fp32 gives the same bits on any device. Rules kept throughout (docs/accelerators.md): products that the CPU fuses are written
 as tl.fma and the kernels launch with fp fusion off; `/` and sqrt are div_rn / sqrt_rn; a
 select is tl.where with the CPU's comparison (NaN goes where the CPU's `a < b ? x : y` sends
 it); constants are exact fp32 values, so no compiler rounds them.
@@ -180,39 +179,6 @@ def hsum8_3d(a, A: tl.constexpr, B: tl.constexpr):
 def hsum8_2d(a, A: tl.constexpr):
     """[A, 8] lanes -> [A] by the hsum tree."""
     return tl.reshape(hsum8_3d(tl.reshape(a, [A, 1, 8]), A, 1), [A])
-
-
-@triton.jit
-def chunk_tree_push(p, c: tl.constexpr, l0, l1, l2, l3, l4, l5):
-    """Add chunk partial p_c to the pairwise chunk tree ((p0+p1)+(p2+p3))+... (kernels_impl.h
-    chunk_tree) kept as pending subtrees l0..l5 of 1, 2, .., 32 chunks. Chunks arrive in order
-    (c is a compile-time index); after the last of a power-of-two count, the returned `p` is the
-    whole tree. Returns (p, l0, .., l5)."""
-    if c % 2 == 0:
-        l0 = p
-    else:
-        p = l0 + p
-        if c % 4 == 1:
-            l1 = p
-        else:
-            p = l1 + p
-            if c % 8 == 3:
-                l2 = p
-            else:
-                p = l2 + p
-                if c % 16 == 7:
-                    l3 = p
-                else:
-                    p = l3 + p
-                    if c % 32 == 15:
-                        l4 = p
-                    else:
-                        p = l4 + p
-                        if c % 64 == 31:
-                            l5 = p
-                        else:
-                            p = l5 + p
-    return p, l0, l1, l2, l3, l4, l5
 
 
 @triton.jit

@@ -223,3 +223,8 @@ def max_with_index(logits: torch.Tensor):
         launch(_max_with_index_kernel, (triton.cdiv(M, _BM),), logits.contiguous(), val, idx, M,
                V, BM=_BM, BV=min(pow2(V), 1024), BF16=bf16)
     return val, idx
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the maximum of each row of logits [M, V] (lowest index on ties) -> int64 [M]."""
+    return max_with_index(logits)[1]
