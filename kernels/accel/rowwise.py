@@ -65,8 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_rows, n, g_stride, BLOCK: tl.constexpr,
                      BF16: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0).to(tl.int64)  # rows on axis 0: up to 2^31 - 1 programs, not 65535
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     g = nm.load_f32(g_ptr + row * g_stride + i, mask, BF16)
     u = nm.load_f32(u_ptr + row * g_stride + i, mask, BF16)
@@ -80,7 +80,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> to
     R, n = out.shape
     if R and n:
         BLOCK = min(pow2(n), 1024)
-        launch(_silu_mul_kernel, (triton.cdiv(n, BLOCK), R), gate, up, out, R, n, gate.stride(0),
+        launch(_silu_mul_kernel, (R, triton.cdiv(n, BLOCK)), gate, up, out, R, n, gate.stride(0),
                BLOCK=BLOCK, BF16=out.dtype == torch.bfloat16)
     return out
 
@@ -93,8 +93,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     float_dtype(gate, "silu_mul", "gate")
     check_device("silu_mul", gate, up)
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    n = gate.numel()
-    silu_mul_rows(gate.contiguous().reshape(1, n), up.contiguous().reshape(1, n), out.view(1, n))
+    n = gate.shape[-1] if gate.dim() else 1  # rows of the last dim: elementwise, any split will do
+    if out.numel():
+        silu_mul_rows(gate.contiguous().view(-1, n), up.contiguous().view(-1, n), out.view(-1, n))
     return out
 
 
