@@ -42,7 +42,8 @@ def _paged_cache(k, v, cu, dtype, gen, spare=3):
     need = [-(-n // B) for n in lens]
     P = sum(need) + spare
     shape = (P, B) + tuple(k.shape[1:])
-    kc, vc = randn(*shape, dtype=dtype, gen=gen, scale=1e3), randn(*shape, dtype=dtype, gen=gen, scale=1e3)
+    kc = randn(*shape, dtype=dtype, gen=gen, scale=1e3)
+    vc = randn(*shape, dtype=dtype, gen=gen, scale=1e3)
     order = torch.randperm(P, generator=gen).tolist()
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     for s, n in enumerate(lens):
@@ -94,7 +95,8 @@ def test_bad_inputs_raise_clear_errors(gen):
     with pytest.raises(IndexError, match="capacity"):
         attention.attention_paged(q[:1], kc, vc, table, torch.tensor([0]), torch.tensor([99]), 0.3)
     with pytest.raises(IndexError, match="page id"):
-        attention.attention_paged(q[:1], kc, vc, table - 50, torch.tensor([0]), torch.tensor([0]), 0.3)
+        attention.attention_paged(q[:1], kc, vc, table - 50, torch.tensor([0]), torch.tensor([0]),
+                                  0.3)
     with pytest.raises(IndexError, match="q_seq"):
         attention.attention_paged(q[:1], kc, vc, table, torch.tensor([7]), torch.tensor([0]), 0.3)
     assert attention.attention_varlen(q[:0], k[:0], v[:0], cu[:1], 0.3, B).shape == (0, 4, 16)

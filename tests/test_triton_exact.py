@@ -77,12 +77,11 @@ def test_tp_partials_finish_to_the_full_linear(dtype, gen):
     full = linear.linear(x, w, None, C, F32)
     for t in (2, 4):
         kt = K // t
-        parts = [linear.linear(x[:, r * kt:(r + 1) * kt], w[:, r * kt:(r + 1) * kt], None, C // t, F32)
-                 for r in range(t)]
-        for r, p in enumerate(parts):
-            assert_bitwise(p, cpp_linear(x[:, r * kt:(r + 1) * kt].contiguous(),
-                                         w[:, r * kt:(r + 1) * kt].contiguous(), None, C // t, F32),
-                           f"TP={t} rank {r} partial")
+        shards = [(x[:, r * kt:(r + 1) * kt].contiguous(), w[:, r * kt:(r + 1) * kt].contiguous())
+                  for r in range(t)]
+        parts = [linear.linear(xs, ws, None, C // t, F32) for xs, ws in shards]
+        for r, (p, (xs, ws)) in enumerate(zip(parts, shards)):
+            assert_bitwise(p, cpp_linear(xs, ws, None, C // t, F32), f"TP={t} rank {r} partial")
         assert_bitwise(tk.tree_sum(parts), full, f"TP={t} tree of partials")
 
 

@@ -24,7 +24,8 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
     dev = tensors[0].device
     for t in tensors[1:]:
         if t.device != dev:
-            raise ValueError(f"tonp.{op}: all tensors must be on one device, got {dev} and {t.device}")
+            raise ValueError(f"tonp.{op}: all tensors must be on one device, got {dev} and "
+                             f"{t.device}")
     if dev.type == "cpu" and not INTERPRETED and recorder is None:
         raise RuntimeError(f"tonp.{op}: the Triton kernels take CPU tensors only when "
                            "TRITON_INTERPRET=1 was set before tonp_kernels.accel was imported")

@@ -38,7 +38,8 @@ def record_launches() -> list:
         for dt in (torch.float32, torch.bfloat16):
             x = torch.randn(3, 32, generator=g).to(dt)
             linear.linear(x, torch.randn(16, 32).to(dt), torch.randn(16), 2)
-            linear.linear(x, torch.randn(16, 32), None, 2 if dt == torch.bfloat16 else 8, torch.float32)
+            linear.linear(x, torch.randn(16, 32), None, 2 if dt == torch.bfloat16 else 8,
+                          torch.float32)
             rowwise.rms_norm(x, torch.randn(32), 1e-6)
             rowwise.silu_mul(x, x)
             rowwise.rope(x.view(3, 2, 16), torch.randn(4, 16), torch.randn(4, 16),
@@ -51,8 +52,8 @@ def record_launches() -> list:
                                       torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 5, 1, 2, 7]),
                                       0.25)
             moe.moe_route(x[:, :8], 2, True)
-            moe.moe_experts(x, torch.tensor([[0, 1], [1, 2], [2, 0]]), torch.randn(3, 16, 32).to(dt),
-                            torch.randn(3, 32, 8).to(dt), 0, 2)
+            moe.moe_experts(x, torch.tensor([[0, 1], [1, 2], [2, 0]]),
+                            torch.randn(3, 16, 32).to(dt), torch.randn(3, 32, 8).to(dt), 0, 2)
             for T in (1.0, 0.7):
                 vocab.lse_partial(x, T, 2)
                 vocab.token_logprobs(x, torch.tensor([0, 5, 31]), T, 2)
@@ -80,7 +81,8 @@ def _signature(kernel, args, meta):
 
 def compile_ptx(kernel, args, meta, arch: int = 90) -> str:
     src = ASTSource(kernel, _signature(kernel, args, meta), constexprs=dict(meta))
-    out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False})
+    out = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                         options={"enable_fp_fusion": False})
     return out.asm["ptx"]
 
 
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
         return 2
     seen, bad = set(), 0
     for kernel, args, meta in record_launches():
-        key = (kernel.__name__, tuple(sorted(meta.items())), tuple(_signature(kernel, args, meta).values()))
+        key = (kernel.__name__, tuple(sorted(meta.items())),
+               tuple(_signature(kernel, args, meta).values()))
         if key in seen:
             continue
         seen.add(key)
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
         fma = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
         print(f"{kernel.__name__:24s} {time.time() - t:5.1f}s fma.rn {fma:5d}  "
               f"{'OK' if not problems else 'BAD: ' + '; '.join(problems[:3])}  {dict(meta)}")
-    print(f"triton {triton.__version__}, sm_{arch}: {len(seen)} kernels compiled, {bad} with problems")
+    print(f"triton {triton.__version__}, sm_{arch}: {len(seen)} kernels compiled, "
+          f"{bad} with problems")
     return 1 if bad else 0
 
 

@@ -88,7 +88,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estri
 
 
 def tiles_for(N: int) -> tuple:
-    """(BM, BN) of a program: from the weight's N only (more columns per program for wide weights)."""
+    """(BM, BN) of a program: from the weight's N only (wider for wide weights)."""
     return 16, (64 if N >= 4096 else 32)
 
 

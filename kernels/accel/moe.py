@@ -67,7 +67,7 @@ def _moe_route_kernel(x_ptr, ids_ptr, w_ptr, M, E, TOPK, BM: tl.constexpr, EP: t
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool):
-    """torch.ops.tonp.moe_route's bits: router_logits [M, E] -> (ids int64 [M, k], w fp32 [M, k])."""
+    """torch.ops.tonp.moe_route's bits: router_logits [M, E] -> (ids int64, w fp32 [M, k])."""
     x = router_logits
     if x.dim() != 2:
         raise ValueError(f"tonp.moe_route: router logits must be [M, E], got {tuple(x.shape)}")
@@ -130,8 +130,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     e = expert_ids.reshape(-1) - first_expert
     bad = (e < 0) | (e >= E)
     if bool(bad.any()):
-        raise IndexError(f"tonp.{op}: expert id {int(expert_ids.reshape(-1)[bad][0])} is not one of "
-                         f"this call's experts [{first_expert}, {first_expert + E})")
+        raise IndexError(f"tonp.{op}: expert id {int(expert_ids.reshape(-1)[bad][0])} is not "
+                         f"one of this call's experts [{first_expert}, {first_expert + E})")
     order = torch.sort(e, stable=True).indices
     BM = 16
     tiles = _expert_tiles(e, E, BM)

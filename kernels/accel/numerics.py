@@ -2,10 +2,11 @@
 bf16 conversions in integer bits, the eight-lane hsum tree, order-free reduction trees.
 
 Each function performs the operation sequence of its twin in kernels/csrc/simd.h (vexp, vlog,
-f32_to_bf16, hsum), so IEEE fp32 gives the same bits on any device. Rules kept throughout (docs/accelerators.md): products that the CPU fuses are written
-as tl.fma and the kernels launch with fp fusion off; `/` and sqrt are div_rn / sqrt_rn; a
-select is tl.where with the CPU's comparison (NaN goes where the CPU's `a < b ? x : y` sends
-it); constants are exact fp32 values, so no compiler rounds them.
+f32_to_bf16, hsum), so IEEE fp32 gives the same bits on any device. Rules kept throughout
+(docs/accelerators.md): products that the CPU fuses are written as tl.fma and the kernels
+launch with fp fusion off; `/` and sqrt are div_rn / sqrt_rn; a select is tl.where with the
+CPU's comparison (NaN goes where the CPU's `a < b ? x : y` sends it); constants are exact fp32
+values, so no compiler rounds them.
 """
 from __future__ import annotations
 
@@ -215,4 +216,5 @@ def row_min(x, A: tl.constexpr, N: tl.constexpr):
 def take(v, hit, A: tl.constexpr, N: tl.constexpr):
     """[A, N] fp32 -> [A]: the one element of each row where `hit` is true, bits exact (an
     integer sum of one value and zeros: no float rounding, no lost sign of zero)."""
-    return _tree(tl.where(hit, v.to(tl.int32, bitcast=True), 0), A, N, 2).to(tl.float32, bitcast=True)
+    one = _tree(tl.where(hit, v.to(tl.int32, bitcast=True), 0), A, N, 2)
+    return one.to(tl.float32, bitcast=True)

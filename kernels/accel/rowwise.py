@@ -40,7 +40,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, H, eps, BM: tl.constexpr, BH: tl.
         xv = nm.load_f32(x_rows + h0 + cols[None, :], rm & cm, BF16)
         wv = nm.load_f32(w_ptr + h0 + cols[None, :], cm, W_BF16)
         y = wv * nm.round_to(xv * r[:, None], BF16)
-        nm.store_f32(out_ptr + rows.to(tl.int64)[:, None] * H + h0 + cols[None, :], y, rm & cm, BF16)
+        out = out_ptr + rows.to(tl.int64)[:, None] * H + h0 + cols[None, :]
+        nm.store_f32(out, y, rm & cm, BF16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

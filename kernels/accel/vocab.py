@@ -48,7 +48,7 @@ def _lse_chunks_kernel(x_ptr, m_ptr, s_ptr, M, V, vc, temperature, CHUNKS: tl.co
         ok = (v0 + cols < vc) & (y == y)
         top = nm.row_max(tl.where(ok, y, float("-inf")), BM, BV)
         at = nm.row_min(tl.where(ok & (y == top[:, None]), cols, BV), BM, BV)
-        top = nm.take(y, cols == at[:, None], BM, BV)  # the first maximum's own bits (its zero sign)
+        top = nm.take(y, cols == at[:, None], BM, BV)  # the first maximum's bits (its zero sign)
         mx = tl.where((at < BV) & (top > mx), top, mx)
     lane = tl.arange(0, 8)[None, :]
     acc = tl.full([BM, 8], 0, tl.float32)
@@ -171,7 +171,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         raise ValueError(f"tonp.token_logprobs: expected logits [M, V] and targets [M], got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
     if targets.is_floating_point() or targets.dtype == torch.bool:
-        raise TypeError(f"tonp.token_logprobs: targets must be integer token ids, got {targets.dtype}")
+        raise TypeError(f"tonp.token_logprobs: targets must be integer token ids, got "
+                        f"{targets.dtype}")
     _check_logits("token_logprobs", logits, temperature, chunks)
     M, V = logits.shape
     if V == 0 and M:
