@@ -151,6 +151,7 @@ class Engine:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
         return not flag.item()
 
+    @torch.no_grad()
     def step(self) -> List[StepOutput]:
         """One forward over the scheduled batch; the outputs of this step (one per request that
         got a token or ended). Under lockstep, a rank without work runs a one-token forward."""

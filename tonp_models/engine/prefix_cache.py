@@ -71,7 +71,9 @@ class PrefixCache:
         self._children: Dict[Tuple[bytes, int], Dict[int, None]] = {}  # (parent, 1st token)
         cache.on_evict = self._forget
 
-    def __len__(self) -> int:
+    @property
+    def num_pages(self) -> int:
+        """Pages indexed (held by requests or parked in the cache's LRU list)."""
         return len(self._entries)
 
     def match(self, tokens: Sequence[int], limit: int) -> Match:

@@ -65,7 +65,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_batch_size and budget > 0:
             r = self.waiting[i]
-            m = self.prefix.match(r.tokens, len(r.tokens) - 1) if self.prefix else Match()
+            m = self.prefix.match(r.tokens, len(r.tokens) - 1) \
+                if self.prefix is not None else Match()
             if self._in_flight(r, m.length):
                 i += 1                                 # its prefix is being computed: wait
                 continue
