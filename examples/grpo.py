@@ -118,9 +118,7 @@ def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Di
     max_new = max(len(a) for a in answers) + 2
     base = (step * replicas + replica) * len(prompts)                   # unique noise keys
     t0 = time.perf_counter()
-    out = generate(model, prompts, max_new, eos_token_id=tok.eos_id, temperature=args.temperature,
-                   seed=args.seed, request_ids=range(base, base + len(prompts)),
-                   max_batch_size=args.rollout_batch)
+    out = rollout(model, args, prompts, max_new, tok.eos_id, range(base, base + len(prompts)))
     t_roll = time.perf_counter() - t0
     rewards = torch.tensor([reward(c, a, tok) for c, a in zip(out.completions, answers)])
     adv = group_advantages(rewards.view(args.prompts, args.group_size)).reshape(-1)
@@ -167,6 +165,22 @@ def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Di
     return row
 
 
+def rollout(model, args, prompts, max_new: int, eos: int, request_ids):
+    """The step's rollouts: in process (`generate`), or with --server through a running tonp
+    server (python -m tonp_models.serve) after pushing the policy's current weights to it; the
+    same bits either way (tests/test_serve.py)."""
+    kw = dict(eos_token_id=eos, temperature=args.temperature, seed=args.seed,
+              request_ids=request_ids)
+    if not args.server:
+        return generate(model, prompts, max_new, max_batch_size=args.rollout_batch, **kw)
+    from tonp_models.serve import RolloutClient
+    client = RolloutClient(args.server)
+    path = os.path.join(os.path.abspath(args.out), "server_weights")
+    model.save_pretrained(path)
+    client.update_weights(path)
+    return client.generate(prompts, max_new, **kw)
+
+
 def sft_step(model, opt, master, sync, args, tok, step: int, groups) -> Dict:
     """One supervised warm-start step on the task (loss on the answer + eos tokens only)."""
     rng = random.Random(args.seed * 7919 + step * 31 + groups.dp_rank + 12345)
@@ -208,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--rollout-batch", type=int, default=None, help="generate's max_batch_size")
+    ap.add_argument("--server", metavar="URL", help="roll out through a tonp server (one "
+                    "process only): each step saves the policy and loads it there first")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant")
     ap.add_argument("--tp", type=int, default=1)
@@ -221,7 +237,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict:
     """Run GRPO; returns {"rows": [per-step metrics], "model", "out", ...}."""
-    return launch(parse_args(argv), _run)
+    args = parse_args(argv)
+    if args.server and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("grpo.py: --server rolls out from one process (no torchrun)")
+    return launch(args, _run)
 
 
 def _run(args, groups, expert_dp) -> Dict:

@@ -53,6 +53,7 @@ class Request:
     cached: int = 0
     page_keys: List[bytes] = field(default_factory=list)    # prefix keys of its full pages
     prefilling: bool = True     # since (re)admission, until its next token
+    cache_hit: int = 0          # positions its last admission took from the prefix cache
     finish: Optional[str] = None   # "eos" | "stop" | "length" | "abort" | "error"
     error: Optional[Exception] = None
 

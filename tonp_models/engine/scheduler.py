@@ -39,10 +39,15 @@ class Scheduler:
         self.running: List[Request] = []
         self.preemptions = 0
         self.cached_tokens = 0          # context tokens matched in the prefix cache on admission
+        self.admit_started_only = False  # only preempted requests rejoin (a weight update drains)
 
     @property
     def done(self) -> bool:
         return not self.waiting and not self.running
+
+    def started_requests(self) -> bool:
+        """Are requests running, or waiting with tokens generated already (preempted)?"""
+        return bool(self.running) or any(r.num_new for r in self.waiting)
 
     def _need(self) -> int:
         return sum(self.cache.pages_needed(r.slot, len(r.pending)) for r in self.running)
@@ -65,6 +70,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_batch_size and budget > 0:
             r = self.waiting[i]
+            if self.admit_started_only and not r.num_new:
+                i += 1
+                continue
             m = self.prefix.match(r.tokens, len(r.tokens) - 1) \
                 if self.prefix is not None else Match()
             if self._in_flight(r, m.length):
@@ -89,7 +97,7 @@ class Scheduler:
         cache.attach(r.slot, m.pages)
         if m.fork:
             cache.fork(r.slot, *m.fork)
-        r.cached, r.page_keys, r.prefilling = m.length, list(m.keys), True
+        r.cached, r.page_keys, r.prefilling, r.cache_hit = m.length, list(m.keys), True, m.length
         self.cached_tokens += m.length
         self.running.append(r)
 
