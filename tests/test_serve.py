@@ -227,3 +227,20 @@ def test_grpo_rolls_out_through_the_server(server, ckpt, tmp_path):
         assert health["weight_version"] >= 2
     finally:
         RolloutClient(server.url).update_weights(ckpt)
+
+
+def test_serve_bench_runs_end_to_end(tmp_path):
+    """benchmarks/serve_bench.py on a toy workload (no timing asserted: it must not rot); the
+    prefix cache computes fewer prefill tokens, and the server's tokens are the engine's."""
+    import json
+    import subprocess
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                         "serve_bench.py")
+    p = subprocess.run([sys.executable, bench, "--quick", "--prompts", "2", "--group", "3",
+                        "--rounds", "1", "--system-len", "16", "--prompt-len", "20", "--new",
+                        "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "serve_quick.json").read_text())
+    on, off = data["cases"]["engine, prefix cache"], data["cases"]["engine, no prefix cache"]
+    assert on["prefill_tokens"] < off["prefill_tokens"] == 2 * 3 * 36
+    assert "| server, prefix cache |" in (tmp_path / "serve_quick.md").read_text()
