@@ -72,18 +72,6 @@ def parse_args(argv=None):
     return a
 
 
-def overrides(items):
-    import json
-    out = {}
-    for item in items:
-        k, _, v = item.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def workload(a, vocab: int, round_: int):
     g = torch.Generator().manual_seed(1000 + round_)
     system = torch.randint(0, vocab, (a.system_len,), generator=g).tolist()
@@ -108,12 +96,13 @@ def start_server(a):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
+    from tonp_models import generate
     from tonp_models.serve import RolloutClient
+    from tonp_models.serve.cli import build_model, parse_args as serve_args
     meta = machine_meta()
-    config = Qwen3MoeConfig.preset(a.preset, **overrides(a.set))
-    torch.manual_seed(0)                       # the server's --preset model (--seed 0)
-    model = Qwen3MoeForCausalLM(config).eval()
+    sets = [x for s in a.set for x in ("--set", s)]
+    model = build_model(serve_args(["--preset", a.preset, *sets]), None)  # the server's model
+    config = model.config
     log(f"serve_bench: {a.prompts} prompts x {a.group} samples, {a.system_len}+{a.prompt_len} "
         f"prompt tokens, {a.new} new, {a.rounds} rounds, load {meta['load_before']:.1f}")
     proc, url = start_server(a)

@@ -91,6 +91,24 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
+def rollout(model, args, prompts, max_new: int, eos: int, request_ids):
+    """The step's rollouts: in process (`generate`), or with --server URL through a running tonp
+    server (python -m tonp_models.serve; one process only) after pushing the policy's current
+    weights to it. The same bits either way (tests/test_serve.py)."""
+    kw = dict(eos_token_id=eos, temperature=args.temperature, seed=args.seed,
+              request_ids=request_ids)
+    if not getattr(args, "server", None):
+        return generate(model, prompts, max_new, max_batch_size=args.rollout_batch, **kw)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("grpo.py: --server rolls out from one process (no torchrun)")
+    from tonp_models.serve import RolloutClient
+    client = RolloutClient(args.server)
+    path = os.path.join(os.path.abspath(args.out), "server_weights")
+    model.save_pretrained(path)
+    client.update_weights(path)
+    return client.generate(prompts, max_new, **kw)
+
+
 # -- one RL step ----------------------------------------------------------------------------------
 def ppo_clip_loss(lp_train: List[torch.Tensor], lp_old: List[torch.Tensor],
                   adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
@@ -165,22 +183,6 @@ def rl_step(model, opt, sched, master, sync, args, tok, step: int, groups) -> Di
     return row
 
 
-def rollout(model, args, prompts, max_new: int, eos: int, request_ids):
-    """The step's rollouts: in process (`generate`), or with --server through a running tonp
-    server (python -m tonp_models.serve) after pushing the policy's current weights to it; the
-    same bits either way (tests/test_serve.py)."""
-    kw = dict(eos_token_id=eos, temperature=args.temperature, seed=args.seed,
-              request_ids=request_ids)
-    if not args.server:
-        return generate(model, prompts, max_new, max_batch_size=args.rollout_batch, **kw)
-    from tonp_models.serve import RolloutClient
-    client = RolloutClient(args.server)
-    path = os.path.join(os.path.abspath(args.out), "server_weights")
-    model.save_pretrained(path)
-    client.update_weights(path)
-    return client.generate(prompts, max_new, **kw)
-
-
 def sft_step(model, opt, master, sync, args, tok, step: int, groups) -> Dict:
     """One supervised warm-start step on the task (loss on the answer + eos tokens only)."""
     rng = random.Random(args.seed * 7919 + step * 31 + groups.dp_rank + 12345)
@@ -203,6 +205,8 @@ def sft_step(model, opt, master, sync, args, tok, step: int, groups) -> Dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", metavar="URL", help="roll out through a tonp server (one "
+                    "process): each step saves the policy and loads it there first")
     ap.add_argument("--task", choices=TASKS, default="copy")
     ap.add_argument("--digits", type=int, default=3, help="max digits of copy/reverse strings")
     ap.add_argument("--init", help="an HF checkpoint dir to start from (default: fresh tiny)")
@@ -222,8 +226,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--rollout-batch", type=int, default=None, help="generate's max_batch_size")
-    ap.add_argument("--server", metavar="URL", help="roll out through a tonp server (one "
-                    "process only): each step saves the policy and loads it there first")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant")
     ap.add_argument("--tp", type=int, default=1)
@@ -237,10 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict:
     """Run GRPO; returns {"rows": [per-step metrics], "model", "out", ...}."""
-    args = parse_args(argv)
-    if args.server and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("grpo.py: --server rolls out from one process (no torchrun)")
-    return launch(args, _run)
+    return launch(parse_args(argv), _run)
 
 
 def _run(args, groups, expert_dp) -> Dict:

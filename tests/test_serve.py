@@ -1,6 +1,6 @@
 """The rollout service, through real clients (the official `openai` package, httpx, and tonp's
 RolloutClient) against `python -m tonp_models.serve` started on a free loopback port, with
-prefix caching and chunked prefill (8-token steps... 24) on.
+prefix caching and chunked prefill (24-token steps) on.
 
 * "logdiff is 0 over HTTP": the logprobs the server returns (completions, chat with the
   checkpoint's template, streamed or not, and the token-id /generate) equal, bit for bit, the
@@ -9,12 +9,14 @@ prefix caching and chunked prefill (8-token steps... 24) on.
 * G samples of one prompt prefill it once (the server's prefill counter).
 * /update_weights: no request lost (an in-flight request finishes with the old weights), the
   prefix cache is invalidated, later requests get the new weights' bits; a bad checkpoint is
-  refused and the server keeps serving.
+  refused and the server keeps serving; a load failing half-way stops generation (503) until a
+  good update.
 * examples/grpo.py --server rolls out through the server: logdiff 0, ratios exactly 1.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 
@@ -199,9 +201,22 @@ def test_update_weights_loses_no_request_and_invalidates_the_prefix_cache(server
             assert r.status_code == 400 and why in r.json()["message"], r.text
         assert http.get(f"{server.url}/health").json() == {"status": "ok",
                                                           "weight_version": version + 1}
+        g = http.post(f"{server.url}/generate", json={"input_ids": p}).json()
+        assert g["meta_info"]["weight_version"] == version + 1
+        # a load that fails after the checks: weights unknown, no generation until a good update
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        shutil.copy(os.path.join(path, "config.json"), broken / "config.json")
+        (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+        r = _update(http, server.url, broken)
+        assert r.status_code == 500 and not r.json()["success"], r.text
+        assert http.get(f"{server.url}/health").status_code == 503
+        r = http.post(f"{server.url}/v1/completions", json={"prompt": p})
+        assert r.status_code == 503 and "cannot generate" in r.json()["error"]["message"]
     finally:
         t.join(60)
         assert _update(http, server.url, ckpt).status_code == 200     # the original weights
+        assert http.get(f"{server.url}/health").json()["status"] == "ok"
 
 
 def _other_shape(tmp_path):
@@ -244,3 +259,44 @@ def test_serve_bench_runs_end_to_end(tmp_path):
     on, off = data["cases"]["engine, prefix cache"], data["cases"]["engine, no prefix cache"]
     assert on["prefill_tokens"] < off["prefill_tokens"] == 2 * 3 * 36
     assert "| server, prefix cache |" in (tmp_path / "serve_quick.md").read_text()
+
+
+def test_service_update_drains_running_requests_and_gives_waiting_ones_the_new_weights():
+    """EngineService alone (no HTTP): with one running slot, request a has produced a token
+    when the update is asked; it finishes with the old weights, then the update runs, then the
+    waiting request b starts with the new ones (and finds no stale prefix in the cache)."""
+    import copy
+
+    from tonp_models.engine import Engine, Request, SamplingParams
+    from tonp_models.serve.service import EngineService
+    old = tiny_model(torch.float32)
+    new, model = copy.deepcopy(old), copy.deepcopy(old)
+    with torch.no_grad():
+        new.lm_head.weight.mul_(0.5)
+    service = EngineService(Engine(model, max_batch_size=1),
+                            lambda path: model.load_state_dict(new.state_dict()))
+    got = {"a": [], "b": []}
+    started, finished = threading.Event(), threading.Event()
+
+    def sink(out):                                   # on the engine thread
+        if out.token is not None:
+            got[out.request.key].append(out.logprob)
+            started.set()
+        if out.finish and out.request.key == "b":
+            finished.set()
+    p = prompts((20,), seed=25)[0].tolist()
+    service.start()
+    try:
+        service.submit([Request("a", p, SamplingParams(40, 0.0)),
+                        Request("b", p, SamplingParams(5, 0.0))], sink)
+        assert started.wait(30)
+        ok, message = service.update_weights("new").result(60)
+        assert ok and service.weight_version == 1, message
+        assert finished.wait(30)
+    finally:
+        service.shutdown()
+    a = generate(old, [p], 40).logprobs[0]
+    b = generate(new, [p], 5).logprobs[0]
+    assert_bitwise(torch.tensor(got["a"]), a, "a: all with the old weights")
+    assert_bitwise(torch.tensor(got["b"]), b, "b: all with the new weights")
+    assert service.engine.stats.cached_tokens == 0      # a's pages were dropped by the update

@@ -7,7 +7,7 @@ on a free loopback port, always torn down):
 * 64 concurrent clients, 256 requests through a cache small enough to make requests wait and be
   preempted: every request completes (none lost, none failed), with exact logprobs;
 * SIGTERM shuts down gracefully: the running request finishes, the process exits with 0;
-* under torchrun-style ranks (TP 2), rank 0 serves and both ranks step in lockstep: the
+* under torchrun-style ranks (TP 2, EP 2), rank 0 serves and both ranks step in lockstep: the
   logprobs are the single-process training forward's, bit for bit.
 """
 from __future__ import annotations
@@ -151,7 +151,8 @@ def test_64_clients_256_requests_all_complete(server, http):
     key = 'tonp_requests_finished_total{reason="length"}'
     assert after[key] - before.get(key, 0) == 256
     assert after["tonp_num_requests_running"] == after["tonp_num_requests_waiting"] == 0
-    assert after["tonp_prefix_cache_hit_tokens_total"] > before["tonp_prefix_cache_hit_tokens_total"]
+    hits = "tonp_prefix_cache_hit_tokens_total"
+    assert after[hits] > before[hits]
     model = _model()
     sample = random.Random(1).sample(done, 16)
     seqs = [torch.tensor(b["prompt"] + r["choices"][0]["token_ids"]) for b, _, r in sample]
@@ -182,12 +183,13 @@ def _rank_env(rank: int, port: int):
             "GLOO_SOCKET_IFNAME": "lo"}
 
 
-def test_tp2_server_steps_both_ranks_in_lockstep(tmp_path):
-    """Two ranks as torchrun starts them (TP 2): rank 0 serves, rank 1 follows its broadcast
-    ticks; logprobs equal the one-process training forward's; SIGTERM stops both."""
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--ep", "2"]], ids=["tp2", "ep2"])
+def test_two_rank_server_steps_both_ranks_in_lockstep(tmp_path, layout):
+    """Two ranks as torchrun starts them (TP 2, or EP 2): rank 0 serves, rank 1 follows its
+    broadcast ticks; logprobs equal the one-process training forward's; SIGTERM stops both."""
     model = tiny_model(torch.float32)
     ckpt = tiny_checkpoint(tmp_path / "ckpt", model, tokenizer=False)
-    port, args = free_port(), ["--hf", ckpt, "--dtype", "fp32", "--tp", "2",
+    port, args = free_port(), ["--hf", ckpt, "--dtype", "fp32", *layout,
                                "--max-step-tokens", "16", "--max-batch-size", "8"]
     with ServerProcess(args, env=_rank_env(1, port), announce=False) as follower, \
             ServerProcess(args, env=_rank_env(0, port)) as srv, httpx.Client(timeout=60) as c:
@@ -201,6 +203,6 @@ def test_tp2_server_steps_both_ranks_in_lockstep(tmp_path):
             train = model.token_logprobs(seqs, temperature=1.0)
         for p, x, lp in zip(ps, r, train):
             got = torch.tensor([v[0] for v in x["meta_info"]["output_token_logprobs"]])
-            assert_bitwise(got, lp[len(p) - 1:], "TP 2 server vs the training forward")
+            assert_bitwise(got, lp[len(p) - 1:], f"{layout} server vs the training forward")
         assert srv.stop() == 0, srv.log
         assert follower.proc.wait(30) == 0, follower.log

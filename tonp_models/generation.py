@@ -280,8 +280,8 @@ def _run(engine: Engine, call: _Call, stats: GenerationStats, progress: bool,
         ended = sum(1 for o in engine.step() if o.finish)
         if ended:
             bar.update(ended)
-        bar.set_postfix(tok_s=f"{engine.stats.new_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}",
-                        refresh=False)
+        rate = engine.stats.new_tokens / max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
     e = engine.stats
     stats.prefill_tokens, stats.decode_tokens, stats.new_tokens = \
         e.prefill_tokens, e.decode_tokens, e.new_tokens

@@ -163,7 +163,8 @@ class Engine:
             if self.lockstep_group is not None:
                 self.model(torch.zeros(1, dtype=torch.int64),
                            logits_rows=torch.zeros(0, dtype=torch.int64))
-            elif self.sched.waiting:  # cannot happen: add() checked each request fits alone
+            elif self.sched.waiting and not self.sched.admit_started_only:
+                # cannot happen: add() checked that each request fits alone
                 raise CacheFullError(f"{self.who}: request {self.sched.waiting[0].name} does "
                                      f"not fit in {self.cache.free_pages} free pages")
             return news

@@ -58,6 +58,7 @@ class Request:
     error: Optional[Exception] = None
 
     def __post_init__(self):
+        self.tokens = [int(t) for t in self.tokens]     # its own list: the engine extends it
         self.prompt_len = len(self.tokens)
 
     @property
@@ -90,7 +91,7 @@ class EngineStats:
     """Work of an engine since it was built (tokens counted over all forwards)."""
     prompt_tokens: int = 0        # prompt tokens of the admitted requests
     cached_tokens: int = 0        # context tokens taken from the prefix cache at admission
-    prefill_tokens: int = 0       # context tokens fed in prefill (> prompt - cached after preemption)
+    prefill_tokens: int = 0       # context tokens fed in prefill (cache hits excluded)
     decode_tokens: int = 0        # tokens fed in decode steps
     new_tokens: int = 0           # generated tokens
     forward_steps: int = 0        # model forwards (each a mixed prefill + decode batch)

@@ -68,6 +68,8 @@ class _Call:
     def __init__(self, st: ServeState, rid: str, prompts: List[List[int]],
                  params: List[SamplingParams], noise_keys: List[int]):
         self.st, self.rid = st, rid
+        if not st.service.healthy:
+            raise ApiError(503, f"the server cannot generate: {st.service.error}")
         self.choices = [fmt.Choice(i, len(p)) for i, p in enumerate(prompts)]
         reqs = [Request(next(st.ids), list(p), s, noise_key=k, name=f"{rid} choice {i}")
                 for i, (p, s, k) in enumerate(zip(prompts, params, noise_keys))]
@@ -83,7 +85,7 @@ class _Call:
 
         def sink(out):  # on the engine thread: hand a copy of the news to the event loop
             news = (out.request.key, out.token, out.logprob, out.top_logprobs, out.finish,
-                    out.request.error, out.request.cache_hit)
+                    out.request.error, out.request.cache_hit, st.service.weight_version)
             with contextlib.suppress(RuntimeError):       # the loop closed: nobody listens
                 loop.call_soon_threadsafe(self.queue.put_nowait, news)
         try:
@@ -101,11 +103,12 @@ class _Call:
                     return
                 checked = time.monotonic()
             try:
-                key, tok, lp, top, finish, err, hit = await asyncio.wait_for(self.queue.get(), 0.1)
+                key, tok, lp, top, finish, err, hit, version = \
+                    await asyncio.wait_for(self.queue.get(), 0.1)
             except asyncio.TimeoutError:
                 continue
             c = self.choices[self.index[key]]
-            c.cache_hit = hit
+            c.cache_hit, c.weight_version = hit, version
             if tok is not None:
                 c.tokens.append(tok)
                 c.logprobs.append(lp)
@@ -337,16 +340,15 @@ def create_app(st: ServeState, ready: Optional[str] = None) -> FastAPI:
             params += [s] * sp.n
         rid = fmt.new_id("gen")
         call = _Call(st, rid, reqs, params, keys)
-        version = st.service.weight_version
         if body.stream:
             def chunks(c: fmt.Choice, new: slice):
                 yield fmt.generate_result(st.codec, c, rid, logprobs=body.return_logprob,
-                                          weight_version=version, tokens=c.tokens[new],
-                                          lps=c.logprobs[new], tops=c.tops[new])
+                                          tokens=c.tokens[new], lps=c.logprobs[new],
+                                          tops=c.tops[new])
             return StreamingResponse(_stream(call, chunks), media_type="text/event-stream")
         await call.run(http)
-        out = [fmt.generate_result(st.codec, c, rid, logprobs=body.return_logprob,
-                                   weight_version=version) for c in call.choices]
+        out = [fmt.generate_result(st.codec, c, rid, logprobs=body.return_logprob)
+               for c in call.choices]
         return out if batch or sp.n > 1 else out[0]
 
     @app.post("/update_weights")

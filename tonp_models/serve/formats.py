@@ -28,6 +28,7 @@ class Choice:
     finish: Optional[str] = None
     error: Optional[Exception] = None
     cache_hit: int = 0
+    weight_version: int = 0     # of the weights that generated it (one per request: updates drain)
 
 
 def new_id(prefix: str) -> str:
@@ -96,8 +97,8 @@ def chat(model: str, rid: str, choices: List[Dict], use: Optional[Dict], chunk: 
 
 
 # -- SGLang /generate -------------------------------------------------------------------------
-def generate_result(codec: TextCodec, c: Choice, rid: str, *, logprobs: bool,
-                    weight_version: int, tokens=None, lps=None, tops=None) -> Dict:
+def generate_result(codec: TextCodec, c: Choice, rid: str, *, logprobs: bool, tokens=None,
+                    lps=None, tops=None) -> Dict:
     """One prompt's result (or, with tokens/lps/tops, one streamed increment of it)."""
     tokens = c.tokens if tokens is None else tokens
     lps = c.logprobs if lps is None else lps
@@ -114,7 +115,7 @@ def generate_result(codec: TextCodec, c: Choice, rid: str, *, logprobs: bool,
             reason["message"] = str(c.error)
     meta = {"id": f"{rid}-{c.index}", "finish_reason": reason, "prompt_tokens": c.prompt_len,
             "completion_tokens": len(c.tokens), "cached_tokens": c.cache_hit,
-            "weight_version": weight_version}
+            "weight_version": c.weight_version}
     if logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(tokens, lps)]
         meta["output_top_logprobs"] = [[[v, i, None] for i, v in top] if top else None

@@ -194,6 +194,7 @@ class EngineService:
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if not bad:
             self.weight_version += 1
+            self.healthy, self.error = True, None
         elif not all(refused for _, (refused, _) in bad):
             # a load that failed half-way leaves weights nobody can vouch for
             self.healthy, self.error = False, f"update_weights from {path} failed: {bad}"
