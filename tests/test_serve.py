@@ -76,7 +76,7 @@ def test_completions_logprobs_equal_the_training_forward(oai, http, server):
     after = metrics(http, server.url)
     # 3 samples: the prompt went through the model once, the 2 others fed its last token only
     assert after["tonp_prefill_tokens_total"] - before["tonp_prefill_tokens_total"] == 60 + 2
-    assert r.usage.prompt_tokens_details.cached_tokens == 2 * 59
+    assert r.usage.prompt_tokens == 60 and r.usage.prompt_tokens_details.cached_tokens == 0
     assert len({tuple(c.token_ids) for c in r.choices}) > 1
     for c in r.choices:
         assert len(c.token_ids) == 8 and c.finish_reason == "length"
@@ -85,12 +85,15 @@ def test_completions_logprobs_equal_the_training_forward(oai, http, server):
     # streamed, the same request gives the same bits (now wholly from the prefix cache)
     stream = oai.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=1.0,
                                     seed=5, n=3, logprobs=0, stream=True,
+                                    stream_options={"include_usage": True},
                                     extra_body={"ignore_eos": True})
-    ids, lps = {}, {}
+    ids, lps, usage = {}, {}, []
     for chunk in stream:
         for c in chunk.choices:
             ids.setdefault(c.index, []).extend(c.token_ids)
             lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        usage += [chunk.usage] if chunk.usage is not None else []
+    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [59]   # 59 of 60 cached
     for c in r.choices:
         assert ids[c.index] == c.token_ids and lps[c.index] == c.logprobs.token_logprobs
 

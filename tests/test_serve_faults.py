@@ -163,18 +163,35 @@ def test_64_clients_256_requests_all_complete(server, http):
                        lp[len(b["prompt"]) - 1:], f"request with seed {b['seed']}")
 
 
+def _stream_then_sigterm(srv, body):
+    """Start a stream, SIGTERM the server after its first chunk; the lines that followed."""
+    rest = []
+    with httpx.Client(timeout=60) as c, c.stream("POST", srv.url + "/v1/completions",
+                                                 json=dict(body, stream=True)) as s:
+        lines = s.iter_lines()
+        next(lines)
+        srv.proc.send_signal(15)
+        rest += [x for x in lines if x]
+    return rest
+
+
 def test_sigterm_finishes_the_running_request_and_exits_cleanly():
     with ServerProcess(ARGS + ["--graceful-timeout", "20"]) as srv:
-        with httpx.Client(timeout=60) as c, c.stream(
-                "POST", srv.url + "/v1/completions",
-                json={"prompt": [1, 2], "max_tokens": 300, "stream": True,
-                      "ignore_eos": True}) as s:
-            lines = s.iter_lines()
-            next(lines)
-            srv.proc.send_signal(15)
-            rest = [x for x in lines if x]
+        rest = _stream_then_sigterm(srv, {"prompt": [1, 2], "max_tokens": 300,
+                                          "ignore_eos": True})
         assert srv.proc.wait(30) == 0, srv.log
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+
+
+def test_sigterm_cancels_what_outlasts_the_graceful_timeout_and_exits_cleanly():
+    """8 x 500 tokens, 2 at a time (64 pages): far beyond a 0.3 s grace; what is left is
+    aborted, the stream ends with finish_reason "abort" and [DONE], the process exits with 0."""
+    with ServerProcess(ARGS + ["--graceful-timeout", "0.3"]) as srv:
+        rest = _stream_then_sigterm(srv, {"prompt": [1, 2], "max_tokens": 500, "n": 8,
+                                          "ignore_eos": True})
+        assert srv.proc.wait(30) == 0, srv.log
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in "".join(rest)
+    assert "Traceback" not in srv.log and "ERROR" not in srv.log, srv.log
 
 
 def _rank_env(rank: int, port: int):

@@ -15,7 +15,7 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -167,15 +167,27 @@ async def _stream(call: _Call, chunks) -> AsyncIterator[str]:
         call.abort()
 
 
-def create_app(st: ServeState, ready: Optional[str] = None) -> FastAPI:
+def create_app(st: ServeState, ready: Optional[str] = None,
+               stopping: Optional[Callable[[], bool]] = None, grace: float = 10.0) -> FastAPI:
     """The FastAPI app over a started EngineService (shut down when the app stops); `ready` is
-    printed (flushed) when the app has started."""
+    printed (flushed) when the app has started. Once `stopping()` turns true (the server got
+    SIGINT / SIGTERM), running requests have `grace` seconds, then every request left is aborted:
+    streams end with finish_reason "abort" and [DONE], whole responses with a 503."""
+
+    async def cancel_after_grace():
+        while not stopping():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(grace)
+        st.service.abort_all()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if ready:
             print(ready, flush=True)
+        watch = asyncio.create_task(cancel_after_grace()) if stopping else None
         yield
+        if watch is not None:
+            watch.cancel()
         await asyncio.to_thread(st.service.shutdown)
 
     app = FastAPI(title="tonp rollout service", lifespan=lifespan)
@@ -250,11 +262,6 @@ def create_app(st: ServeState, ready: Optional[str] = None) -> FastAPI:
 
     async def _openai(http, body, prompts, limit, limit_name, top, want_lps, chat):
         check_n(body.n, len(prompts), st.max_n)
-        try:
-            prompts = [list(p) for p in prompts]
-        except TypeError:
-            raise ApiError(400, "prompt must be text, token ids or a list of either",
-                           "prompt") from None
         seed = body.seed
         reqs, params, keys = [], [], []
         for p in prompts:
@@ -269,7 +276,7 @@ def create_app(st: ServeState, ready: Optional[str] = None) -> FastAPI:
                 keys.append(len(keys))      # noise key: the choice index
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
         call = _Call(st, rid, reqs, params, keys)
-        lens = [len(p) for p in reqs]
+        lens = [len(p) for p in prompts]
         if body.stream:
             use = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_openai_stream(call, chat, want_lps, use, lens),

@@ -153,9 +153,14 @@ def serve(st, host: str, port: int, graceful_timeout: float) -> None:
     sock.listen(2048)      # connections wait in the backlog until uvicorn accepts them
     bound = sock.getsockname()
     st.service.start()
-    app = create_app(st, ready=f"tonp serve: listening on http://{bound[0]}:{bound[1]}")
+    holder = []   # the server, once built: the app watches it for the shutdown signal
+    app = create_app(st, ready=f"tonp serve: listening on http://{bound[0]}:{bound[1]}",
+                     stopping=lambda: bool(holder) and holder[0].should_exit,
+                     grace=graceful_timeout)
+    # uvicorn's own deadline is a backstop: the app aborts what is left after the grace period
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=graceful_timeout))
+                                           timeout_graceful_shutdown=graceful_timeout + 10))
+    holder.append(server)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the
     # handler it found: with these, the process then ends normally (exit code 0).
     for sig in (signal.SIGINT, signal.SIGTERM):

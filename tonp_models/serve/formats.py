@@ -36,10 +36,15 @@ def new_id(prefix: str) -> str:
 
 
 def usage(choices: List[Choice], prompt_lens: List[int]) -> Dict:
+    """OpenAI's usage: each prompt counted once (its n choices are consecutive); its cached
+    tokens are those its choices all took from the prefix cache (the choices beyond the first
+    reuse the first's pages: /metrics counts that work)."""
+    n = len(choices) // max(len(prompt_lens), 1)
     prompt = sum(prompt_lens)
     done = sum(len(c.tokens) for c in choices)
+    cached = sum(min(c.cache_hit for c in choices[i:i + n]) for i in range(0, len(choices), n))
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cache_hit for c in choices)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # -- completions ------------------------------------------------------------------------------

@@ -76,8 +76,15 @@ class EngineService:
         """Queue requests (checked by the caller with engine.check); `sink` gets each output."""
         self._put(("add", requests, sink))
 
-    def abort(self, keys: List[Any]) -> None:
-        self._put(("abort", keys))
+    def abort(self, keys: Optional[List[Any]]) -> None:
+        """Abort requests (None: all); nothing to do once the engine stopped (shutdown aborted
+        them all)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(("abort", keys))
+
+    def abort_all(self) -> None:
+        """Abort every live request (finish "abort"): the end of a graceful shutdown."""
+        self.abort(None)
 
     def update_weights(self, path: str) -> Future:
         """A Future of (ok, message): the update runs once running requests have finished."""
@@ -160,7 +167,7 @@ class EngineService:
                         r.finish, r.error = "error", e
                         self._deliver([StepOutput(r, finish="error")])
             elif kind == "abort":
-                for key in cmd[1]:
+                for key in list(engine.requests) if cmd[1] is None else cmd[1]:
                     engine.abort(key)
             elif kind == "update":
                 self._update = (cmd[1], cmd[2] if len(cmd) > 2 else None)
