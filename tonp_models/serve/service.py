@@ -59,7 +59,7 @@ class EngineService:
         self.healthy, self.error = True, None
         self._commands: "queue.Queue[Tuple]" = queue.Queue()
         self._sinks: Dict[Any, Sink] = {}
-        self._update: Optional[Tuple[str, Optional[Future]]] = None
+        self._updates: List[Tuple[str, Optional[Future]]] = []   # pending, in order
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._rate: collections.deque = collections.deque()   # (time, new tokens) of ~10 s
@@ -99,9 +99,9 @@ class EngineService:
             self._thread.join(timeout)
 
     def snapshot(self) -> Dict[str, float]:
+        """The engine's state after its last tick (for /metrics)."""
         with self._lock:
-            return dict(self._snapshot, **{f"finished_{k}": v for k, v in
-                                           self._finished.items()})
+            return dict(self._snapshot)
 
     def _put(self, cmd: Tuple) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -136,7 +136,7 @@ class EngineService:
     def _take_commands(self) -> List[Tuple]:
         """Every queued command; when there is nothing to step, wait for one (heartbeat)."""
         cmds = []
-        if not self.engine.has_work and self._update is None:
+        if not self.engine.has_work and not self._updates:
             try:
                 cmds.append(self._commands.get(timeout=self.heartbeat_s))
             except queue.Empty:
@@ -170,44 +170,47 @@ class EngineService:
                 for key in list(engine.requests) if cmd[1] is None else cmd[1]:
                     engine.abort(key)
             elif kind == "update":
-                self._update = (cmd[1], cmd[2] if len(cmd) > 2 else None)
+                self._updates.append((cmd[1], cmd[2] if len(cmd) > 2 else None))
                 engine.sched.admit_started_only = True
             elif kind == "shutdown":
                 for key in list(engine.requests):
                     engine.abort(key)
                 self._deliver(engine.step())
+                self._resolve_update(False, "the server shut down before the update ran")
                 return False
         if engine.has_work:
             self._deliver(engine.step())
-        if self._update is not None and not engine.sched.started_requests():
+        if self._updates and not engine.sched.started_requests():
             self._apply_update()
         self._snap()
         return True
 
     def _apply_update(self) -> None:
-        path, fut = self._update
-        self._update = None
-        try:
-            self.load_weights(path)
-            err = None
-        except Exception as e:  # noqa: BLE001 -- reported to the caller
-            err = (isinstance(e, WeightsRefused), f"{type(e).__name__}: {e}")
-        errors = [err]
-        if self.group is not None:
-            errors = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(errors, err, group=self.group)
-        self.engine.clear_prefix_cache()
+        """Every pending update in order, on every rank (collective under a group)."""
+        for path, fut in self._updates:
+            try:
+                self.load_weights(path)
+                err = None
+            except Exception as e:  # noqa: BLE001 -- reported to the caller
+                err = (isinstance(e, WeightsRefused), f"{type(e).__name__}: {e}")
+            errors = [err]
+            if self.group is not None:
+                errors = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(errors, err, group=self.group)
+            bad = [(r, e) for r, e in enumerate(errors) if e]
+            if len(bad) < len(errors) or not all(refused for _, (refused, _) in bad):
+                self.engine.clear_prefix_cache()     # some weights changed: the K/V are stale
+            if not bad:
+                self.weight_version += 1
+                self.healthy, self.error = True, None
+            elif not all(refused for _, (refused, _) in bad) or len(bad) < len(errors):
+                # a load that failed half-way (or on some ranks only): weights nobody vouches for
+                self.healthy, self.error = False, f"update_weights from {path} failed: {bad}"
+            if fut is not None:
+                fut.set_result((not bad, f"rank {bad[0][0]}: {bad[0][1][1]}" if bad else
+                                f"loaded {path} (weight version {self.weight_version})"))
+        self._updates = []
         self.engine.sched.admit_started_only = False
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if not bad:
-            self.weight_version += 1
-            self.healthy, self.error = True, None
-        elif not all(refused for _, (refused, _) in bad):
-            # a load that failed half-way leaves weights nobody can vouch for
-            self.healthy, self.error = False, f"update_weights from {path} failed: {bad}"
-        if fut is not None:
-            fut.set_result((not bad, f"rank {bad[0][0]}: {bad[0][1][1]}" if bad else
-                            f"loaded {path} (weight version {self.weight_version})"))
 
     def _deliver(self, outs: List[StepOutput]) -> None:
         for out in outs:
@@ -219,6 +222,12 @@ class EngineService:
             if sink is not None:
                 sink(out)
 
+    def _resolve_update(self, ok: bool, message: str) -> None:
+        for _, fut in self._updates:
+            if fut is not None:
+                fut.set_result((ok, message))
+        self._updates = []
+
     def _fail_all(self, message: str) -> None:
         for key, sink in list(self._sinks.items()):
             r = self.engine.requests.get(key)
@@ -226,6 +235,7 @@ class EngineService:
                 r.finish, r.error = "error", RuntimeError(message)
                 sink(StepOutput(r, finish="error"))
         self._sinks.clear()
+        self._resolve_update(False, message)
 
     def _snap(self) -> None:
         e, s, now = self.engine, self.engine.stats, time.monotonic()
@@ -240,6 +250,7 @@ class EngineService:
                     prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                     prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens,
                     generation_tokens=s.new_tokens, forward_steps=s.forward_steps,
-                    preemptions=s.preemptions, weight_version=self.weight_version)
+                    preemptions=s.preemptions, weight_version=self.weight_version,
+                    **{f"finished_{k}": v for k, v in self._finished.items()})
         with self._lock:
             self._snapshot = snap
