@@ -274,3 +274,30 @@ def test_engine_refuses_requests_it_can_never_run():
     with pytest.raises(ValueError, match="max_step_tokens=1 must be >= max_batch_size=2"):
         Engine(model, max_batch_size=2, max_step_tokens=1)
     assert not engine.has_work
+
+
+def test_prefix_cache_evicts_the_least_recently_used_page():
+    """Four pages. A, B, C each leave one cached page (LRU: A, B, C); a request extending A by a
+    token shares A's page and leaves its own partial page (LRU: B, C, A's tail, A): no page is
+    free, so a one-page request evicts B, then another one C."""
+    model = tiny_model(torch.float32)
+    cache = model.new_cache(4, 64, num_pages=4)
+    prefix = PrefixCache(cache)
+    a, b, c, d, e = (p.tolist() for p in prompts((B,) * 5, seed=9))
+
+    def cached(*ps):
+        return [prefix.match(p + [1], len(p)).length for p in ps]
+    for p in (a, b, c):
+        _feed(model, cache, prefix, p)
+        cache.release(0)                       # each request ran in slot 0
+    assert cache.free_pages == 4 and prefix.num_pages == 3
+    _, n = _feed(model, cache, prefix, a + [7])
+    assert n == B                              # A's page shared by reference
+    cache.release(0)
+    assert prefix.num_pages == 4 and cached(a, b, c) == [B, B, B]
+    _feed(model, cache, prefix, d)
+    cache.release(0)
+    assert cached(a, b, c, d) == [B, 0, B, B]
+    _feed(model, cache, prefix, e)
+    cache.release(0)
+    assert cached(a, b, c, d, e) == [B, 0, 0, B, B]
