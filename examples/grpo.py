@@ -69,6 +69,24 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
+def rollout(model, args, prompts, max_new: int, eos: int, request_ids):
+    """The step's rollouts: in process (`generate`), or with --server URL through a running tonp
+    server (python -m tonp_models.serve; one process only) after pushing the policy's current
+    weights to it. The same bits either way (tests/test_serve.py)."""
+    kw = dict(eos_token_id=eos, temperature=args.temperature, seed=args.seed,
+              request_ids=request_ids)
+    if not getattr(args, "server", None):
+        return generate(model, prompts, max_new, max_batch_size=args.rollout_batch, **kw)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("grpo.py: --server rolls out from one process (no torchrun)")
+    from tonp_models.serve import RolloutClient
+    client = RolloutClient(args.server)
+    path = os.path.join(os.path.abspath(args.out), "server_weights")
+    model.save_pretrained(path)
+    client.update_weights(path)
+    return client.generate(prompts, max_new, **kw)
+
+
 # -- one RL step ----------------------------------------------------------------------------------
 def ppo_clip_loss(lp_train: List[torch.Tensor], lp_old: List[torch.Tensor],
                   adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
@@ -97,9 +115,7 @@ def rl_step(trainer: Trainer, args, tok, step: int) -> Dict:
     max_new = max(len(a) for a in answers) + 2
     base = (step * replicas + replica) * len(prompts)                   # unique noise keys
     t0 = time.perf_counter()
-    out = generate(model, prompts, max_new, eos_token_id=tok.eos_id, temperature=args.temperature,
-                   seed=args.seed, request_ids=range(base, base + len(prompts)),
-                   max_batch_size=args.rollout_batch)
+    out = rollout(model, args, prompts, max_new, tok.eos_id, range(base, base + len(prompts)))
     t_roll = time.perf_counter() - t0
     rewards = torch.tensor([reward(c, a, tok) for c, a in zip(out.completions, answers)])
     adv = group_advantages(rewards.view(args.prompts, args.group_size)).reshape(-1)
@@ -156,6 +172,8 @@ def sft_step(trainer: Trainer, args, tok, step: int) -> Dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", metavar="URL", help="roll out through a tonp server (one "
+                    "process): each step saves the policy and loads it there first")
     ap.add_argument("--task", choices=TASKS, default="copy")
     ap.add_argument("--digits", type=positive_int, default=3,
                     help="max digits of copy/reverse strings")
