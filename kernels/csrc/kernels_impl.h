@@ -420,7 +420,7 @@ static void lse_chunks(const void* x, int64_t V, Elem e, float temperature, int 
     float mx = -INFINITY;
     for (int64_t i = b; i < end; ++i) {
       float y = scaled ? load1(x, i, e) / temperature : load1(x, i, e);
-      mx = y > mx ? y : mx;
+      mx = y > mx || y != y ? y : mx;  // a NaN logit makes the chunk's max (and sum) NaN
     }
     m[c] = mx;
     if (mx == -INFINITY) {
