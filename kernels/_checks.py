@@ -18,6 +18,7 @@ MAX_CHUNKS = 64  # kMaxChunks of the C++ linear
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.1754943508222875e-38
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)   # 3.4028234663852886e+38
 SEED_LIMIT = 2 ** 64
+_INT64 = 2 ** 63
 
 
 def check_temperature(temperature, *, op: str, allow_zero: bool = False) -> float:
@@ -32,8 +33,11 @@ def check_temperature(temperature, *, op: str, allow_zero: bool = False) -> floa
         raise TypeError(f"tonp.{op}: temperature must be a real number, got "
                         f"{type(temperature).__name__} {temperature!r}")
     t = float(temperature)
-    if t == 0.0 and allow_zero:
-        return 0.0
+    if t == 0.0:
+        if allow_zero:
+            return 0.0
+        raise ValueError(f"tonp.{op}: temperature 0 means greedy, which only sample defines; "
+                         f"{op} needs a temperature in [{MIN_TEMPERATURE!r}, {MAX_TEMPERATURE!r}]")
     if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:  # also catches NaN
         zero = " (0 means greedy)" if allow_zero else ""
         raise ValueError(f"tonp.{op}: temperature must be a finite number in [{MIN_TEMPERATURE!r}"
@@ -65,8 +69,9 @@ def integer(value, *, op: str, name: str, low: int | None = None) -> int:
         except TypeError:
             raise TypeError(f"tonp.{op}: {name} must be an integer, got {type(value).__name__} "
                             f"{value!r}") from None
-    if low is not None and value < low:
-        raise ValueError(f"tonp.{op}: {name} must be >= {low}, got {value}")
+    if not -_INT64 <= value < _INT64 or (low is not None and value < low):
+        rule = f">= {low}" if low is not None and value < low else "an int64"
+        raise ValueError(f"tonp.{op}: {name} must be {rule}, got {value}")
     return value
 
 
@@ -148,8 +153,9 @@ def chunks(K: int, c, *, op: str) -> int:
 
 
 def ids_in_range(ids: torch.Tensor, high: int, *, op: str, name: str, low: int = 0) -> None:
-    """Every entry of an integer tensor in [low, high) (IndexError naming the first bad one)."""
-    if ids.numel() and (int(ids.min()) < low or int(ids.max()) >= high):
+    """Every entry of an integer tensor in [low, high) (IndexError naming the first bad one;
+    a meta tensor has no entries to check)."""
+    if ids.numel() and not ids.is_meta and (int(ids.min()) < low or int(ids.max()) >= high):
         bad = ids[(ids < low) | (ids >= high)][0]
         raise IndexError(f"tonp.{op}: {name} out of range [{low}, {high}): {int(bad)}")
 
@@ -158,14 +164,16 @@ def row_maxima(m: torch.Tensor, temperature: float, *, op: str, softmax: bool) -
     """Refuse rows whose maximum of logits / temperature (m, fp32 [...]) is +inf (an infinite
     logit or fp32 overflow) and, for a softmax (not a logsumexp), rows with no finite logit:
     their softmax is undefined. NaN rows pass: a NaN logit gives a NaN result."""
+    if m.is_meta:
+        return
+    what = "its softmax is undefined" if softmax else "no finite logsumexp"
     _first_bad(m == math.inf, op, "logits / temperature reach +inf (an infinite logit, or "
-               f"fp32 overflow at temperature={temperature!r})")
+               f"fp32 overflow at temperature={temperature!r}); {what}")
     if softmax:
-        _first_bad(m == -math.inf, op, "every logit is -inf")
+        _first_bad(m == -math.inf, op, f"every logit is -inf; {what}")
 
 
 def _first_bad(bad: torch.Tensor, op: str, why: str) -> None:
     if bool(bad.any()):
         row = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(f"tonp.{op}: row {row[0] if len(row) == 1 else row}: {why}; its "
-                         "softmax is undefined")
+        raise ValueError(f"tonp.{op}: row {row[0] if len(row) == 1 else row}: {why}")

@@ -11,26 +11,29 @@ from . import _mode, cpu, stock
 def impl(op: str, *tensors):
     """The function that runs `op` on `tensors` (None entries are skipped).
 
-    "torch" mode -> stock.<op> (stock torch ops), where stock torch has one; tonp's own ops
-    (seeded sampling, vocab-shard partials) have none and run their invariant kernels in both
-    modes. Invariant mode: CPU tensors -> cpu.<op> (the C++ kernels); other devices -> an error
-    naming the op and the devices. (An accelerator backend slots in here: every tensor on one
-    CUDA / NPU device -> its module's <op>.)
+    "torch" mode -> stock.<op> (stock torch ops, on any one device), where stock torch has one;
+    tonp's own ops (seeded sampling, vocab-shard partials) have none and run their invariant
+    kernels in both modes. Invariant mode: CPU tensors -> cpu.<op> (the C++ kernels); other
+    devices -> an error naming the op and the devices. (An accelerator backend slots in here:
+    every tensor on one CUDA / NPU device -> its module's <op>.)
     """
-    if _mode.get_mode() == "torch":
-        fn = getattr(stock, op, None)
-        if fn is not None:
-            return fn
+    stock_op = getattr(stock, op, None) if _mode.get_mode() == "torch" else None
     try:
         for t in tensors:
             if t is not None and not t.is_cpu:
                 break
         else:
-            return getattr(cpu, op)
-    except AttributeError:  # not a tensor
-        bad = next(t for t in tensors if not isinstance(t, torch.Tensor) and t is not None)
+            return stock_op or getattr(cpu, op)
+    except AttributeError:  # not a tensor: stock's checks name the argument
+        if stock_op is not None:
+            return stock_op
+        bad = next(t for t in tensors if t is not None and not isinstance(t, torch.Tensor))
         raise TypeError(f"tonp.{op}: expected tensors, got {type(bad).__name__}") from None
-    devices = ", ".join(sorted({str(t.device) for t in tensors if t is not None}))
-    raise NotImplementedError(
-        f"tonp.{op}: the invariant kernels run on CPU tensors; got tensors on {devices} "
-        "(tonp_kernels.use('torch') runs stock torch ops on any device)")
+    devices = sorted({str(t.device) for t in tensors if t is not None})
+    if stock_op is None:
+        raise NotImplementedError(
+            f"tonp.{op}: the invariant kernels run on CPU tensors; got tensors on "
+            f"{', '.join(devices)} (tonp_kernels.use('torch') runs stock ops on any one device)")
+    if len(devices) > 1:
+        raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}")
+    return stock_op

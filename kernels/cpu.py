@@ -5,6 +5,8 @@ Every op handle is called directly: autograd is registered in C++, so a call wit
 costs one dispatcher hop, never torch.library's Python autograd wrapper."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _checks as check, _opchecks as opcheck
@@ -64,7 +66,7 @@ def _lse(op, logits, temperature, chunks, softmax):
     if torch.is_grad_enabled() and logits.requires_grad:
         return _LogSumExp.apply(logits, temperature, chunks, op, softmax)
     m, s = _partial(op, logits, temperature, chunks, softmax)  # no autograd node
-    return lse_finish(m.unsqueeze(0), s.unsqueeze(0))
+    return _finish(m.unsqueeze(0), s.unsqueeze(0))
 
 
 class _LogSumExp(torch.autograd.Function):
@@ -75,7 +77,7 @@ class _LogSumExp(torch.autograd.Function):
         ctx.save_for_backward(logits)
         ctx.temperature = temperature
         m, s = _partial(op, logits, temperature, chunks, softmax)
-        return lse_finish(m.unsqueeze(0), s.unsqueeze(0))
+        return _finish(m.unsqueeze(0), s.unsqueeze(0))
 
     @staticmethod
     def backward(ctx, grad):
@@ -90,10 +92,18 @@ def lse_partial(logits, temperature, chunks):
 
 
 def lse_finish(maxes, sums):
-    P = check.floats(maxes, op="lse_finish", name="maxes", layout="[P, ...]")[0]
+    check.floats(maxes, op="lse_finish", name="maxes", layout="[P, ...]")
     if check.floats(sums, op="lse_finish", name="sums") != maxes.shape:
         raise ValueError(f"tonp.lse_finish: maxes {tuple(maxes.shape)} and sums "
                          f"{tuple(sums.shape)} differ")
+    if bool((maxes == math.inf).any()):  # what lse_partial refuses to hand out
+        raise ValueError("tonp.lse_finish: a partial's max is +inf (an infinite logit, or fp32 "
+                         "overflow of logits / temperature): no finite logsumexp")
+    return _finish(maxes, sums)
+
+
+def _finish(maxes, sums):
+    P = maxes.shape[0]
     out = _LSE_FINISH(maxes.reshape(P, -1).float().contiguous(),
                       sums.reshape(P, -1).float().contiguous())
     return out.reshape(maxes.shape[1:])

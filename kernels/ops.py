@@ -55,6 +55,12 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor, *,
     parts = list(partials.unbind(0)) if isinstance(partials, torch.Tensor) else list(partials)
     if not parts:
         raise ValueError("tonp.tree_sum: no partials")
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor) or p.shape != parts[0].shape:
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise (ValueError if isinstance(p, torch.Tensor) else TypeError)(
+                f"tonp.tree_sum: partial {i} is {got}; partial 0 is {tuple(parts[0].shape)} "
+                "(the partials must be tensors of one shape)")
     while len(parts) > 1:
         pairs = range(0, len(parts) - 1, 2)
         nxt = ([parts[i].add_(parts[i + 1]) for i in pairs] if in_place

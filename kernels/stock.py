@@ -113,7 +113,7 @@ def gather_logit(logits, targets, temperature):
 def argmax(logits):
     opcheck.vocab("argmax", logits, None)
     nan = logits.isnan().reshape(-1, logits.shape[-1]).any(-1)
-    if bool(nan.any()):
+    if not nan.is_meta and bool(nan.any()):
         raise ValueError(f"tonp.argmax: row {int(nan.nonzero()[0])} holds a NaN logit")
     return torch.argmax(logits, dim=-1)
 
@@ -135,6 +135,7 @@ def moe_combine(weights, expert_out):
 def moe_experts(x, expert_ids, gate_up, down, first_expert=0, chunks=None):
     """Per expert: F.linear -> silu * up -> F.linear on the rows routed to it (as transformers)."""
     opcheck.moe_experts(x, expert_ids, gate_up, down, first_expert, chunks)
+    gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)  # mixed dtypes, as the kernels take
     M, K = expert_ids.shape
     I = down.shape[2]
     flat = expert_ids.reshape(-1) - first_expert

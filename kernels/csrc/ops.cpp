@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -74,8 +75,9 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
-  TORCH_CHECK_VALUE(x_.dim() >= 1 && w_.dim() == 1 && w_.size(0) == x_.size(-1), "tonp.rms_norm: weight ", w_.sizes(),
-                    " does not match x ", x_.sizes(), " (expected x [..., H] and weight [H])");
+  TORCH_CHECK_VALUE(x_.dim() >= 1, "tonp.rms_norm: x must be [..., H], got shape ", x_.sizes());
+  TORCH_CHECK_VALUE(w_.dim() == 1 && w_.size(0) == x_.size(-1), "tonp.rms_norm: weight ", w_.sizes(), " does not match x ",
+                    x_.sizes(), " (expected x [..., H] and weight [H])");
   const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty_like(x);
@@ -146,12 +148,19 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
   const int64_t T = q_.size(0), Hq = q_.size(1), Hkv = k_.size(1), D = q_.size(2), G = Hq / Hkv;
   const int64_t S = cu.numel() - 1;
   const int64_t* cp = cu.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(S >= 0 && cp[0] == 0 && cp[S] == T, "tonp.attention_varlen: cu_seqlens must run from 0 to T=", T);
+  TORCH_CHECK_VALUE(S >= 0 && cp[0] == 0 && cp[S] == T, "tonp.attention_varlen: cu_seqlens must run from 0 to T=", T,
+                    S >= 0 ? ", got cu_seqlens[0]=" + std::to_string(cp[0]) + ", cu_seqlens[-1]=" + std::to_string(cp[S])
+                           : std::string(", got no entries"));
   std::vector<int64_t> seq_of(T);
+  int64_t longest = 1;
   for (int64_t s = 0; s < S; ++s) {
     TORCH_CHECK_VALUE(cp[s + 1] >= cp[s], "tonp.attention_varlen: cu_seqlens must not decrease");
     for (int64_t t = cp[s]; t < cp[s + 1]; ++t) seq_of[t] = s;
+    longest = std::max(longest, cp[s + 1] - cp[s]);
   }
+  // A block longer than every sequence is one block per query, whatever its size: the same
+  // arithmetic with a scratch sized by the data, not by the argument.
+  block = std::min(block, longest);
   const at::Tensor q = q_.to(at::kFloat).contiguous(), k = k_.contiguous(), v = v_.contiguous();
   at::Tensor out = at::empty({T, Hq, D}, q.options());
   const Elem kv = k.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
