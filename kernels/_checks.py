@@ -103,30 +103,24 @@ def tensor(t, *, op: str, name: str, dims: int | None = None, min_dims: int = 0,
 
 def floats(t, *, op: str, name: str, dims: int | None = None, min_dims: int = 1,
            layout: str | None = None) -> torch.Size:
-    """A float32 / bfloat16 tensor with `dims` (or at least `min_dims`) dimensions; its shape.
-    (Only torch tensors carry torch dtypes: the fast path needs no isinstance.)"""
-    try:
-        shape = t.shape if t.dtype in FLOATS else None
-    except AttributeError:
-        shape = None
-    if shape is None or not isinstance(t, torch.Tensor):
-        tensor(t, op=op, name=name)
-        raise TypeError(f"tonp.{op}: {name} must be float32 or bfloat16, got {t.dtype}")
-    if (len(shape) != dims) if dims is not None else (len(shape) < min_dims):
-        tensor(t, op=op, name=name, dims=dims, min_dims=min_dims, layout=layout)
-    return shape
+    """A float32 / bfloat16 tensor with `dims` (or at least `min_dims`) dimensions; its shape."""
+    return _typed(t, FLOATS, "float32 or bfloat16", op, name, dims, min_dims, layout)
 
 
 def integers(t, *, op: str, name: str, dims: int | None = None, min_dims: int = 0,
              layout: str | None = None) -> torch.Size:
     """An integer tensor (ids, positions, offsets: a float or bool one would be truncated)."""
-    try:
-        shape = t.shape if t.dtype in INTS else None
+    return _typed(t, INTS, "an integer tensor", op, name, dims, min_dims, layout)
+
+
+def _typed(t, dtypes, what, op, name, dims, min_dims, layout) -> torch.Size:
+    try:  # only torch tensors carry torch dtypes: the common case needs no isinstance
+        shape = t.shape if t.dtype in dtypes else None
     except AttributeError:
         shape = None
     if shape is None or not isinstance(t, torch.Tensor):
         tensor(t, op=op, name=name)
-        raise TypeError(f"tonp.{op}: {name} must be an integer tensor, got {t.dtype}")
+        raise TypeError(f"tonp.{op}: {name} must be {what}, got {t.dtype}")
     if (len(shape) != dims) if dims is not None else (len(shape) < min_dims):
         tensor(t, op=op, name=name, dims=dims, min_dims=min_dims, layout=layout)
     return shape

@@ -1,6 +1,7 @@
 """Public vocabulary reductions and seeded sampling: logsumexp / log_softmax / token_logprobs by
 the vocab chunk tree, the vocab-shard pieces (lse_partial + lse_finish, max_with_index, argmax)
-and `sample`. Each checks its scalar arguments, then runs what `_dispatch.impl` picks (which checks the tensors).
+and `sample`. Each checks its scalar arguments, then runs what `_dispatch.impl` picks (the
+backend checks the tensors).
 
 A row whose softmax does not exist is refused, naming the row: logits / temperature reaching +inf
 (an infinite logit or fp32 overflow), and for log_softmax / token_logprobs every logit -inf.

@@ -179,7 +179,7 @@ def test_seeds_take_all_64_bits_and_keep_the_draws_below_2_48():
     assert _draw(2 ** 63 + 5) != _draw(5) and _draw(2 ** 64 - 1) != _draw(2 ** 48 - 1)
     assert _draw(np.uint64(2 ** 63 + 5)) == _draw(2 ** 63 + 5)
     for bad in (2 ** 64, -1):
-        _raises_alike(lambda: _draw(bad), ValueError, r"tonp.sample: seed must be in \[0, 2\*\*64\)")
+        _raises_alike(lambda: _draw(bad), ValueError, r"tonp.sample: seed must be in \[0, 2\*\*64")
     for bad in (1.5, True, "3", None):
         _raises_alike(lambda: _draw(bad), TypeError, "tonp.sample: seed must be an integer")
 

@@ -335,7 +335,8 @@ def _every_op(dtype, gen):
     table = torch.randn(64, 64, generator=gen)
     experts = torch.randint(0, 4, (37, 2), generator=gen)
     gate_up, down = randn(4, 48, 64, dtype=dtype, gen=gen), randn(4, 64, 24, dtype=dtype, gen=gen)
-    return [tk.linear(x, w), tk.linear(x[:1], w), tk.linear_partial(x[:, :128], w[:, :128], chunks=4),
+    return [tk.linear(x, w), tk.linear(x[:1], w),
+            tk.linear_partial(x[:, :128], w[:, :128], chunks=4),
             tk.rms_norm(x[:, :40], x[0, :40], 1e-6), tk.silu_mul(x[:, :37], x[:, 37:74]),
             tk.attention_varlen(q, k, v, cu, scale=0.125, block=16),
             tk.attention_paged(q[:48], kc, vc, pt, torch.zeros(48, dtype=torch.int32),
