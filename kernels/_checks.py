@@ -47,32 +47,30 @@ def check_temperature(temperature, *, op: str, allow_zero: bool = False) -> floa
 
 def check_seed(seed, *, op: str) -> int:
     """A sampling seed in [0, 2**64), returned as the int64 with the same 64 bits."""
-    if isinstance(seed, bool):
-        raise TypeError(f"tonp.{op}: seed must be an integer, got bool {seed!r}")
-    try:
-        s = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"tonp.{op}: seed must be an integer, got {type(seed).__name__} "
-                        f"{seed!r}") from None
+    s = _as_int(seed, op, "seed")
     if not 0 <= s < SEED_LIMIT:
         raise ValueError(f"tonp.{op}: seed must be in [0, 2**64), got {s}")
-    return s - SEED_LIMIT if s >= 2 ** 63 else s
+    return s - SEED_LIMIT if s >= _INT64 else s
 
 
 def integer(value, *, op: str, name: str, low: int | None = None) -> int:
-    """A Python integer argument (not a bool, not a float), optionally >= low."""
+    """A Python integer argument (not a bool, not a float) that fits int64, optionally >= low."""
     if type(value) is not int:
-        if isinstance(value, bool):
-            raise TypeError(f"tonp.{op}: {name} must be an integer, got bool {value!r}")
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"tonp.{op}: {name} must be an integer, got {type(value).__name__} "
-                            f"{value!r}") from None
+        value = _as_int(value, op, name)
     if not -_INT64 <= value < _INT64 or (low is not None and value < low):
         rule = f">= {low}" if low is not None and value < low else "an int64"
         raise ValueError(f"tonp.{op}: {name} must be {rule}, got {value}")
     return value
+
+
+def _as_int(value, op: str, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"tonp.{op}: {name} must be an integer, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"tonp.{op}: {name} must be an integer, got {type(value).__name__} "
+                        f"{value!r}") from None
 
 
 def real(value, *, op: str, name: str, low: float | None = None) -> float:
@@ -154,17 +152,21 @@ def ids_in_range(ids: torch.Tensor, high: int, *, op: str, name: str, low: int =
         raise IndexError(f"tonp.{op}: {name} out of range [{low}, {high}): {int(bad)}")
 
 
-def row_maxima(m: torch.Tensor, temperature: float, *, op: str, softmax: bool) -> None:
+def row_maxima(m: torch.Tensor, temperature: float, *, op: str, softmax: bool,
+               sums: torch.Tensor | None = None) -> None:
     """Refuse rows whose maximum of logits / temperature (m, fp32 [...]) is +inf (an infinite
     logit or fp32 overflow) and, for a softmax (not a logsumexp), rows with no finite logit:
-    their softmax is undefined. NaN rows pass: a NaN logit gives a NaN result."""
+    their softmax is undefined. NaN rows pass: a NaN logit gives a NaN result. sums: the chunk
+    tree's sums, where a NaN row has max -inf and sum NaN (torch's amax is NaN there)."""
     if m.is_meta:
         return
     what = "its softmax is undefined" if softmax else "no finite logsumexp"
     _first_bad(m == math.inf, op, "logits / temperature reach +inf (an infinite logit, or "
                f"fp32 overflow at temperature={temperature!r}); {what}")
     if softmax:
-        _first_bad(m == -math.inf, op, f"every logit is -inf; {what}")
+        masked = m == -math.inf
+        _first_bad(masked if sums is None else masked & (sums == 0), op,
+                   f"every logit is -inf; {what}")
 
 
 def _first_bad(bad: torch.Tensor, op: str, why: str) -> None:

@@ -57,7 +57,7 @@ def _partial(op, logits, temperature, chunks, softmax):
     """(max, sum) of one chunk tree over logits [..., V], refusing rows no softmax exists for."""
     lead = logits.shape[:-1]
     m, s = _LSE_PARTIAL(logits.reshape(-1, logits.shape[-1]), temperature, chunks)
-    check.row_maxima(m, temperature, op=op, softmax=softmax)
+    check.row_maxima(m, temperature, op=op, softmax=softmax, sums=s)
     return m.reshape(lead), s.reshape(lead)
 
 

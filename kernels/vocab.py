@@ -5,7 +5,8 @@ backend checks the tensors).
 
 A row whose softmax does not exist is refused, naming the row: logits / temperature reaching +inf
 (an infinite logit or fp32 overflow), and for log_softmax / token_logprobs every logit -inf.
-A NaN logit gives NaN (argmax and sample refuse it). Shapes: M rows, V vocabulary, P shards.
+A NaN logit gives NaN (argmax and sample refuse it; max_with_index skips it). Shapes: M rows,
+V vocabulary, P shards.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def max_with_index(logits: torch.Tensor):
-    """(max fp32, lowest index of the max int64) over the last dim; shards combine exactly."""
+    """(max fp32, lowest index of the max int64) over the last dim; shards combine exactly.
+    NaN entries are skipped (a shard's primitive; an all-NaN row gives (NaN, 0))."""
     return impl("max_with_index", logits)(logits)
 
 

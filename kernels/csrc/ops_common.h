@@ -94,8 +94,10 @@ inline void check_temperature(double t, const char* op) {
 // (so the message does not depend on which thread saw what first).
 enum RowIssue : int8_t { kRowOk = 0, kRowNan, kRowInf, kRowMasked };
 
-inline RowIssue row_issue_of_max(float mx) {
-  return mx == INFINITY ? kRowInf : mx == -INFINITY ? kRowMasked : kRowOk;
+// From a row's (max, sum) of logits / T: +inf max, or masked (max -inf, sum 0; a NaN row has
+// max -inf and sum NaN, and gives NaN).
+inline RowIssue row_issue(float mx, float sum) {
+  return mx == INFINITY ? kRowInf : mx == -INFINITY && sum == 0.f ? kRowMasked : kRowOk;
 }
 
 inline void check_rows(const std::vector<int8_t>& issues, const char* op, double temperature) {

@@ -23,7 +23,7 @@ void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
     for (int64_t c = 0; c + step < n; c += 2 * step) {
       const float ma = m[c], mb = m[c + step], mx = ma > mb || ma != ma ? ma : mb;  // a NaN max stays NaN
       if (mx == -INFINITY) {
-        s[c] = 0.f;
+        s[c] = s[c] + s[c + step];  // 0 for masked chunks; a NaN chunk's sum stays NaN
       } else {
         const float a = s[c] * kern->exp(ma - mx), b = s[c + step] * kern->exp(mb - mx);
         s[c] = a + b;
@@ -32,8 +32,8 @@ void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
     }
 }
 
-// logsumexp from the finished (max, sum) pair.
-inline float lse_value(float m, float s) { return m == -INFINITY ? -INFINITY : m + std::log(s); }
+// logsumexp from the finished (max, sum) pair: -inf for a masked row (sum 0), NaN for a NaN one.
+inline float lse_value(float m, float s) { return m == -INFINITY && s == 0.f ? -INFINITY : m + std::log(s); }
 
 std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temperature, int64_t chunks) {
   TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.lse_partial: logits must be [M, V], got ", x_.sizes());
@@ -107,7 +107,7 @@ at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double tem
       const char* row = xp + r * V * esz;
       kern->lse_chunks(row, V, e, T, int(chunks), mc.data(), sc.data());
       lse_tree(mc.data(), sc.data(), chunks, kern);
-      issues[r] = row_issue_of_max(mc[0]);
+      issues[r] = row_issue(mc[0], sc[0]);
       const float logit = e == Elem::F32 ? reinterpret_cast<const float*>(row)[tp[r]]
                                          : float(c10::BFloat16(reinterpret_cast<const uint16_t*>(row)[tp[r]],
                                                                c10::BFloat16::from_bits()));
@@ -119,20 +119,21 @@ at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double tem
   return out;
 }
 
-// The lowest index of the row's maximum; a row holding a NaN has none (kRowNan).
+// The lowest index of the row's maximum, NaN skipped (an all-NaN row: index 0); kRowNan when
+// the row holds a NaN (argmax and sample refuse it, max_with_index skips it).
 inline RowIssue row_argmax(const float* row, int64_t V, int64_t* index) {
   int64_t best = 0;
   bool nan = std::isnan(row[0]);
   for (int64_t i = 1; i < V; ++i) {
-    if (row[i] > row[best]) best = i;  // strict: the lowest index wins ties
+    if (row[i] > row[best] || (std::isnan(row[best]) && !std::isnan(row[i]))) best = i;  // strict: lowest index wins
     nan = nan || std::isnan(row[i]);
   }
   *index = best;
   return nan ? kRowNan : kRowOk;
 }
 
-// (max, lowest index of the max) of each row of fp32 [M, V]; NaN rows are refused.
-std::tuple<at::Tensor, at::Tensor> max_rows(const at::Tensor& x_, const char* op, bool want_values) {
+// (max, lowest index of the max) of each row of fp32 [M, V]; argmax refuses NaN rows.
+std::tuple<at::Tensor, at::Tensor> max_rows(const at::Tensor& x_, const char* op, bool want_values, bool refuse_nan) {
   TORCH_CHECK_VALUE(x_.dim() == 2 && x_.size(1) > 0, "tonp.", op, ": logits must be [M, V] with V > 0, got ", x_.sizes());
   elem_of(x_, op, "logits");
   const at::Tensor x = f32_contiguous(x_);
@@ -148,13 +149,13 @@ std::tuple<at::Tensor, at::Tensor> max_rows(const at::Tensor& x_, const char* op
       idx.data_ptr<int64_t>()[r] = best;
     }
   });
-  check_rows(issues, op, 1.0);
+  if (refuse_nan) check_rows(issues, op, 1.0);
   return {val, idx};
 }
 
-std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x) { return max_rows(x, "max_with_index", true); }
+std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x) { return max_rows(x, "max_with_index", true, false); }
 
-at::Tensor argmax(const at::Tensor& x) { return std::get<1>(max_rows(x, "argmax", false)); }
+at::Tensor argmax(const at::Tensor& x) { return std::get<1>(max_rows(x, "argmax", false, true)); }
 
 inline uint64_t splitmix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
@@ -197,7 +198,7 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
         nan = nan || std::isnan(y[i]);
         ymax = y[i] > ymax ? y[i] : ymax;
       }
-      issues[r] = nan ? kRowNan : row_issue_of_max(ymax);
+      issues[r] = nan ? kRowNan : row_issue(ymax, 0.f);
       if (issues[r] != kRowOk) continue;
       std::fill(keep.begin(), keep.end(), 1);
       const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.0;
