@@ -17,6 +17,9 @@ MAX_CHUNKS = 64  # kMaxChunks of the C++ linear
 # a temperature is 0 or a denormal in fp32 (NaN logprobs, junk tokens); above MAX it is inf.
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.1754943508222875e-38
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)   # 3.4028234663852886e+38
+# The doubles whose fp32 rounding (what the kernels divide by) is a normal number:
+_T_LOW = MIN_TEMPERATURE - 2.0 ** -150    # rounds (ties to even) up to MIN_TEMPERATURE
+_T_HIGH = MAX_TEMPERATURE + 2.0 ** 103    # the first double that rounds to inf (excluded)
 SEED_LIMIT = 2 ** 64
 _INT64 = 2 ** 63
 
@@ -25,8 +28,9 @@ def check_temperature(temperature, *, op: str, allow_zero: bool = False) -> floa
     """`temperature` as a float, if the kernels can divide fp32 logits by it.
 
     Refused (ValueError, TypeError for a non-number): non-finite or negative values, and
-    positive values fp32 cannot carry as a normal number (below MIN_TEMPERATURE or above
-    MAX_TEMPERATURE). 0 is allowed only where the op defines it (`sample`: greedy).
+    positive values whose fp32 value is not a normal number (it would be 0, a denormal or inf
+    outside [MIN_TEMPERATURE, MAX_TEMPERATURE]). 0 is allowed only where the op defines it
+    (`sample`: greedy).
     """
     if type(temperature) is not float and type(temperature) is not int and (
             isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)):
@@ -38,10 +42,10 @@ def check_temperature(temperature, *, op: str, allow_zero: bool = False) -> floa
             return 0.0
         raise ValueError(f"tonp.{op}: temperature 0 means greedy, which only sample defines; "
                          f"{op} needs a temperature in [{MIN_TEMPERATURE!r}, {MAX_TEMPERATURE!r}]")
-    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:  # also catches NaN
-        zero = " (0 means greedy)" if allow_zero else ""
-        raise ValueError(f"tonp.{op}: temperature must be a finite number in [{MIN_TEMPERATURE!r}"
-                         f", {MAX_TEMPERATURE!r}] (fp32 normal numbers){zero}, got {t!r}")
+    if not _T_LOW <= t < _T_HIGH:  # also catches NaN
+        zero = "0 (greedy) or " if allow_zero else ""
+        raise ValueError(f"tonp.{op}: temperature must be {zero}a number whose fp32 value is a "
+                         f"normal float, in [{MIN_TEMPERATURE!r}, {MAX_TEMPERATURE!r}], got {t!r}")
     return t
 
 

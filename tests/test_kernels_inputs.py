@@ -67,6 +67,16 @@ def test_temperature_zero_is_greedy_in_sample_only(gen):
 
 def test_temperature_types_and_the_limit_itself(gen):
     assert tk.MIN_TEMPERATURE == MIN_T and tk.MAX_TEMPERATURE == torch.finfo(torch.float32).max
+    # The rule is on the fp32 value the kernels divide by: a double rounding to a normal passes.
+    for t, ok in ((MIN_T - 2.0 ** -150, True), (math.nextafter(MIN_T - 2.0 ** -150, 0), False),
+                  (tk.MAX_TEMPERATURE + 2.0 ** 102, True), (tk.MAX_TEMPERATURE + 2.0 ** 103, False)):
+        assert (float(torch.tensor(t, dtype=torch.float32)) in (MIN_T, tk.MAX_TEMPERATURE)) == ok
+        if ok:
+            assert tk.check_temperature(t, op="x") == t
+            tk.log_softmax(torch.zeros(1, 8), temperature=t, chunks=1)  # the C++ rule agrees
+        else:
+            with pytest.raises(ValueError, match="fp32 value is a normal"):
+                tk.check_temperature(t, op="x")
     assert tk.check_temperature(np.float32(0.5), op="x") == 0.5
     assert tk.check_temperature(0, op="sample", allow_zero=True) == 0.0
     for bad in ("1.0", None, True, torch.tensor(1.0)):

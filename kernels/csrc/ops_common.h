@@ -83,11 +83,12 @@ inline void check_integer(const at::Tensor& t, const char* op, const char* what)
                    " must be an integer tensor, got ", t.scalar_type());
 }
 
-// The temperature rule of tonp_kernels.check_temperature: an fp32 normal number (a smaller one
-// is 0 or a denormal in fp32, a larger one inf).
+// The temperature rule of tonp_kernels.check_temperature: its fp32 value (what the kernels divide
+// by) is a positive normal number (a smaller one is 0 or a denormal, a larger one inf).
 inline void check_temperature(double t, const char* op) {
-  TORCH_CHECK_VALUE(std::isfinite(t) && t >= FLT_MIN && t <= FLT_MAX, "tonp.", op,
-                    ": temperature must be a finite number in [", FLT_MIN, ", ", FLT_MAX, "] (fp32 normal numbers), got ", t);
+  const float f = float(t);
+  TORCH_CHECK_VALUE(f > 0.f && std::isnormal(f), "tonp.", op, ": temperature must be a number whose fp32 value is a normal ",
+                    "float, in [", FLT_MIN, ", ", FLT_MAX, "], got ", t);
 }
 
 // Per-row verdicts of the vocabulary ops, reported after the parallel loop for the lowest bad row
