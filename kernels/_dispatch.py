@@ -31,9 +31,10 @@ def impl(op: str, *tensors):
         raise TypeError(f"tonp.{op}: expected tensors, got {type(bad).__name__}") from None
     devices = sorted({str(t.device) for t in tensors if t is not None})
     if stock_op is None:
-        raise NotImplementedError(
-            f"tonp.{op}: the invariant kernels run on CPU tensors; got tensors on "
-            f"{', '.join(devices)} (tonp_kernels.use('torch') runs stock ops on any one device)")
+        why = ("the invariant kernels run on CPU tensors (tonp_kernels.use('torch') runs stock "
+               "ops on any one device)") if _mode.get_mode() == "invariant" else \
+            "no stock torch version: its CPU kernel runs in both modes"
+        raise NotImplementedError(f"tonp.{op}: {why}; got tensors on {', '.join(devices)}")
     if len(devices) > 1:
         raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}")
     return stock_op
