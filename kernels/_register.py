@@ -1,17 +1,12 @@
-"""Fake (meta) registrations for torch.ops.tonp.*, and the Python autograd of attention_varlen
-(imported once the extension is loaded). The other differentiable ops have C++ autograd
-(csrc/autograd.cpp). Forward = the invariant kernel; backward = standard torch math in fp32
-(gradients need to be correct, not invariant)."""
+"""Fake (meta) implementations of torch.ops.tonp.*: output shapes and dtypes only, for
+torch.compile and meta tensors (imported once the extension is loaded; autograd is C++)."""
 from __future__ import annotations
 
 import torch
 
-from . import stock
-
 _lib = "tonp::"
 
 
-# --- fake implementations: shapes and dtypes only, for torch.compile / meta tensors ----------
 @torch.library.register_fake(_lib + "linear")
 def _(x, weight, bias, chunks, out_dtype):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
@@ -54,6 +49,11 @@ def _(logits):
     return v, logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
+@torch.library.register_fake(_lib + "argmax")
+def _(logits):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+
+
 @torch.library.register_fake(_lib + "token_logprobs")
 def _(logits, targets, temperature, chunks):
     return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
@@ -90,41 +90,3 @@ def _(grad, x, expert_ids, gate_up, down, first_expert, output_mask):
 @torch.library.register_fake(_lib + "rope")
 def _(x, cos, sin, positions):
     return torch.empty_like(x)
-
-
-# --- autograd -----------------------------------------------------------------------------
-# linear, rms_norm, silu_mul, rope, moe_route, moe_combine and moe_experts have C++ autograd
-# kernels (csrc/autograd.cpp): they run many times per layer, and a Python autograd wrapper costs more
-# than a small kernel. attention_varlen, once per layer, keeps a Python backward here.
-def _register_reference_grad(name, ref_fn, n_tensors):
-    """Backward = autograd of `ref_fn` recomputed on the saved inputs (first n_tensors args)."""
-
-    def setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:n_tensors])
-        ctx.rest = inputs[n_tensors:]
-
-    def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        with torch.enable_grad():
-            ins = [t.detach().requires_grad_(t.is_floating_point() and ctx.needs_input_grad[i])
-                   for i, t in enumerate(saved)]
-            out = ref_fn(*ins, *ctx.rest)
-            outs = out if isinstance(out, tuple) else (out,)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            want = [t for t in ins if t.requires_grad]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs],
-                                           allow_unused=True) if pairs and want else ())
-        res = [next(got) if t.requires_grad else None for t in ins]
-        return (*res, *([None] * len(ctx.rest)))
-
-    torch.library.register_autograd(_lib + name, backward, setup_context=setup)
-
-
-def _attention_grad_math(q, k, v, cu_seqlens, scale, block):
-    """The backward's forward: per-sequence causal SDPA in fp32 (torch's fused math backward is
-    several times faster than differentiating reference.attention_varlen's dense einsums)."""
-    out = stock.attention_varlen(q.float(), k.float(), v.float(), cu_seqlens, scale)
-    return out.to(q.dtype)
-
-
-_register_reference_grad("attention_varlen", _attention_grad_math, 4)

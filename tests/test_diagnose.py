@@ -26,9 +26,8 @@ from tonp_models.diagnose.__main__ import main as cli_main
 from tonp_models.diagnose.compare import align
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import invariant_built, random_seqs, tiny_model  # noqa: E402
+from model_helpers import random_seqs, tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not invariant_built(), reason="tonp_kernels C++ ops not built")
 
 # tiny "mlp_only": layer 0 MoE, layer 1 dense MLP, layer 2 MoE.
 LENGTHS = (7, 4, 9)

@@ -1,11 +1,10 @@
-// Autograd for the tonp ops that run many times per layer (linear, rms_norm, silu_mul,
-// moe_route, moe_combine, moe_experts, rope), in C++ so that a call costs a dispatcher hop rather
-// than torch.library's Python autograd wrapper (~16 us, most of a small decode step).
+// Autograd of every differentiable tonp op (linear, rms_norm, silu_mul, rope, attention_varlen,
+// moe_route, moe_combine, moe_experts), in C++ so that a call costs a dispatcher hop rather than
+// torch.library's Python autograd wrapper (~16 us, most of a small decode step).
 //
 // Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
 // the op itself). Backward = standard torch math in fp32, cast to the input dtypes: gradients
-// need to be correct, not invariant (CONTRACT.md). attention_varlen keeps its Python autograd
-// (_register.py): it runs once per layer.
+// need to be correct, not invariant (CONTRACT.md).
 #include <ATen/ATen.h>
 #include <array>
 #include <torch/autograd.h>
@@ -37,6 +36,7 @@ using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const Tensor&);
 using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using RopeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using AttnSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t);
 using ExpertsBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                          const Tensor&, int64_t, std::array<bool, 3>);
 
@@ -311,9 +311,61 @@ Tensor rope_ad(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tens
   return RopeFn::apply(x, cos, sin, pos);
 }
 
+// --- attention_varlen: backward = autograd of per-sequence causal SDPA in fp32 ----------------
+// (torch's fused attention backward is several times faster than differentiating dense math).
+Tensor attention_math(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens, double scale) {
+  const Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+  Tensor out = at::empty_like(qf);
+  const Tensor cu = cu_seqlens.to(at::kLong).contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  for (int64_t s = 0; s + 1 < cu.numel(); ++s) {
+    if (c[s + 1] <= c[s]) continue;
+    auto seq = [&](const Tensor& t) { return t.slice(0, c[s], c[s + 1]).transpose(0, 1); };  // [heads, L, D]
+    out.slice(0, c[s], c[s + 1]).copy_(at::scaled_dot_product_attention(seq(qf), seq(kf), seq(vf), {}, 0.0,
+                                                                         /*is_causal=*/true, scale, /*enable_gqa=*/true)
+                                           .transpose(0, 1));
+  }
+  return out.to(q.scalar_type());
+}
+
+struct AttentionVarlenFn : torch::autograd::Function<AttentionVarlenFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu,
+                        double scale, int64_t block) {
+    static const Below<AttnSig> kern("tonp::attention_varlen");
+    ctx->save_for_backward({q, k, v, cu});
+    ctx->saved_data["scale"] = scale;
+    return kern(q, k, v, cu, scale, block);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::AutoGradMode enable(true);
+    variable_list ins, want;
+    for (int i = 0; i < 3; ++i) {
+      ins.push_back(saved[i].detach().requires_grad_(ctx->needs_input_grad(i)));
+      if (ctx->needs_input_grad(i)) want.push_back(ins.back());
+    }
+    variable_list res(6);
+    if (want.empty()) return res;
+    const Tensor out = attention_math(ins[0], ins[1], ins[2], saved[3], ctx->saved_data["scale"].toDouble());
+    const auto got = torch::autograd::grad({out}, want, {grads[0]}, std::nullopt, false, /*allow_unused=*/true);
+    for (int i = 0, j = 0; i < 3; ++i)
+      if (ctx->needs_input_grad(i)) res[i] = got[j++];
+    return res;
+  }
+};
+
+Tensor attention_varlen_ad(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu, double scale, int64_t block) {
+  if (!any_requires_grad({&q, &k, &v})) {
+    static const Below<AttnSig> kern("tonp::attention_varlen");
+    return kern(q, k, v, cu, scale, block);
+  }
+  return AttentionVarlenFn::apply(q, k, v, cu, scale, block);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
+  m.impl("attention_varlen", &attention_varlen_ad);
   m.impl("linear", &linear_ad);
   m.impl("rms_norm", &rms_norm_ad);
   m.impl("silu_mul", &silu_mul_ad);
