@@ -20,7 +20,6 @@ import torch.distributed as dist
 import tonp_kernels as tk
 import tonp_parallel as tpar
 
-_FP32 = torch.finfo(torch.float32)
 
 
 def show(v) -> str:
@@ -59,19 +58,14 @@ def as_real(who: str, name: str, v) -> float:
         return math.copysign(math.inf, v)
 
 
-# TODO(lead): use tonp_kernels.check_temperature once merged
 def check_temperature(who: str, temperature, *, greedy_ok: bool) -> float:
-    """temperature as a float: 0 (greedy, where greedy_ok) or a number whose fp32 value is a
-    finite normal float. The kernels divide by it in fp32, where a smaller positive value is a
-    denormal or 0 (NaN logprobs) and a larger one is inf."""
+    """temperature as a float: 0 (greedy, where greedy_ok) or a number the kernels can divide
+    fp32 logits by (`tonp_kernels.check_temperature`: its fp32 value is a normal float)."""
     t = as_real(who, "temperature", temperature)
-    t32 = float(torch.tensor(t, dtype=torch.float32)) if math.isfinite(t) else t
-    if (greedy_ok and t == 0) or _FP32.tiny <= t32 <= _FP32.max:
-        return t
-    rule = "0 (greedy) or " if greedy_ok else ""
-    raise ValueError(f"{who}: temperature must be {rule}a number whose fp32 value is a normal "
-                     f"float, in [{_FP32.tiny!r}, {_FP32.max!r}] (torch.finfo(torch.float32)"
-                     f".tiny, .max); got {temperature!r} (in fp32: {t32!r})")
+    try:
+        return tk.check_temperature(t, op=who, allow_zero=greedy_ok)
+    except ValueError as e:  # the kernels' rule, named by this entry point
+        raise ValueError(str(e).removeprefix("tonp.")) from None
 
 
 def sequence_list(who: str, name: str, x) -> list:

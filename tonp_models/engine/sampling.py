@@ -37,10 +37,10 @@ def non_finite_error(who: str, logits: torch.Tensor, rows: List[Request]
         f"{float(logits[s, v])} ({int(bad.sum())} non-finite logits in this step)")
 
 
-def overflow_error(who: str, r: Request, lp: float, logits_row: torch.Tensor) -> ValueError:
+def overflow_error(who: str, r: Request, logits_row: torch.Tensor) -> ValueError:
     """Finite logits give finite logprobs unless logits / temperature overflow fp32."""
     return ValueError(
-        f"{who}: request {r.name}'s token at position {len(r.tokens)} has logprob {lp} with "
+        f"{who}: request {r.name}'s token at position {len(r.tokens)} cannot be scored at "
         f"temperature={r.params.temperature!r}: its logits (largest |logit| "
         f"{float(logits_row.abs().max()):.4g}) divided by the temperature overflow fp32; use a "
         f"larger temperature (or 0 for greedy)")
@@ -67,6 +67,10 @@ def pick(who: str, logits: torch.Tensor, rows: List[Request]) -> List[Pick]:
     for i in keep:
         groups.setdefault(rows[i].params.draw, []).append(i)
     for (temperature, top_k, top_p, seed), idx in groups.items():
+        if 0 < temperature < 1:  # logits / T may overflow fp32 (the kernels refuse such rows)
+            idx = _drop_overflows(who, logits, rows, idx, temperature, out)
+            if not idx:
+                continue
         sub = logits if len(idx) == len(rows) else logits.index_select(0, torch.tensor(idx))
         group = [rows[i] for i in idx]
         if temperature == 0:
@@ -82,9 +86,22 @@ def pick(who: str, logits: torch.Tensor, rows: List[Request]) -> List[Pick]:
         lps = tk.token_logprobs(sub, chosen, temperature=T).tolist()
         tops = _top_logprobs(sub, group, T)
         for j, (i, tok, lp) in enumerate(zip(idx, chosen.tolist(), lps)):
-            err = None if math.isfinite(lp) else overflow_error(who, rows[i], lp, sub[j])
+            err = None if math.isfinite(lp) else overflow_error(who, rows[i], sub[j])
             out[i] = (None, None, None, err) if err else (tok, lp, tops[j], None)
     return out
+
+
+def _drop_overflows(who: str, logits: torch.Tensor, rows: List[Request], idx: List[int],
+                    temperature: float, out: List[Pick]) -> List[int]:
+    """The rows of idx whose logits / temperature stay finite in fp32; the others get the
+    overflow error (division is monotonic: a row overflows iff its largest |logit| does)."""
+    sub = logits.index_select(0, torch.tensor(idx))
+    big = sub.abs().amax(-1)                                                       # (n,) fp32
+    over = torch.isinf(big / temperature).tolist()
+    for j, i in enumerate(idx):
+        if over[j]:
+            out[i] = (None, None, None, overflow_error(who, rows[i], sub[j]))
+    return [i for j, i in enumerate(idx) if not over[j]]
 
 
 def _top_logprobs(logits: torch.Tensor, rows: List[Request], T: float
