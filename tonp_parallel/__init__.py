@@ -17,8 +17,9 @@ from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all
 from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, init_parallel,
                      rank_layout)
 from .layout import validate_model_layout
-from .regions import (all_to_all, copy_to_region, gather_from_region, gather_partials,
-                      reduce_from_region, reduce_scatter_to_region, scatter_to_region)
+from .regions import (all_gather_to_region, all_to_all, copy_to_region, gather_from_region,
+                      gather_partials, reduce_from_region, reduce_scatter_to_region,
+                      scatter_to_region)
 
 __all__ = [
     "ParallelGroups", "RankLayout", "init_parallel", "rank_layout", "check_layout",
@@ -27,5 +28,5 @@ __all__ = [
     "all_gather_along", "group_size", "group_rank", "SMALL_MESSAGE_BYTES", "ALGORITHMS",
     "clear_workspace",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
-    "reduce_scatter_to_region", "gather_partials", "all_to_all",
+    "reduce_scatter_to_region", "all_gather_to_region", "gather_partials", "all_to_all",
 ]

@@ -6,6 +6,8 @@
     scatter_to_region(x, g, dim)      fwd: this rank's slice     bwd: concat ranks on dim
     reduce_scatter_to_region(p, g, d) fwd: fixed-tree sum, keep this rank's slice of dim d
                                       bwd: concat ranks on dim d
+    all_gather_to_region(x, g, d)     fwd: concat ranks on dim d
+                                      bwd: sum of grads over g, this rank's slice of dim d
     gather_partials(x, g)             fwd: [W, ...] stacked in rank order   bwd: grad[rank]
     all_to_all(x, out_splits, in_splits, g)  fwd: exchange rows   bwd: the reverse exchange
 
@@ -113,6 +115,21 @@ class _ReduceScatterToRegion(torch.autograd.Function):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
+class _AllGatherToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x.detach(), group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        d, W = ctx.dim % grad.dim(), group_size(ctx.group)
+        src = grad.movedim(d, 0).contiguous()
+        out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
+        reduce_scatter_flat(out, src, group=ctx.group)
+        return out.movedim(0, d).contiguous(), None, None
+
+
 class _GatherPartials(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -177,6 +194,16 @@ def reduce_scatter_to_region(partial: torch.Tensor, group: Group, dim: int = 0) 
     if group_size(group) == 1:
         return partial
     return _ReduceScatterToRegion.apply(partial, group, dim)
+
+
+def all_gather_to_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sequence-parallel entry of a column-parallel region (megatron's gather from the
+    sequence-parallel region): every rank's x [..., n, ...] concatenated along `dim` in rank
+    order -> [..., W*n, ...]. Backward: the grads summed over `group` (each rank's consumer
+    computed other columns), this rank's slice (the backend's reduce_scatter)."""
+    if group_size(group) == 1:
+        return x
+    return _AllGatherToRegion.apply(x, group, dim)
 
 
 def gather_partials(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -5,9 +5,11 @@
     norm = sync.clip(max_norm=1.0)              # the pre-clip norm of the whole model
 
 Which parameter is sharded, and over which group, comes from `model.parameter_shards()` only
-(name -> Shard with .group "tp" | "ep"); every other parameter is replicated. Every sum over
-ranks is `tonp_parallel.tree_all_reduce` (fixed order), so all replicas get the same bits.
-See docs/training.md for how the expert-gradient divisor follows from the TP x EP layout.
+(name -> Shard with .group "tp" | "ep"); every other parameter of this pipeline stage is
+replicated. Under CP each rank's gradient covers its slice of the tokens: they are summed over
+the DP x CP group and divided by the DP degree. The norm adds up every pipeline stage's part.
+Every sum over ranks is `tonp_parallel.tree_all_reduce` (fixed order), so all replicas get the
+same bits. See docs/training.md for how the expert-gradient divisor follows from the layout.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ def expert_grad_divisor(dp_size: int, tp_size: int, ep_size: int) -> int:
 class GradSync:
     """Averages the master gradients over DP and clips them by the global norm.
 
-    Dense (and, at ep = 1, expert) parameters are replicated over `groups.dp_group`; EP-sharded
+    Dense (and, at ep = 1, expert) parameters are replicated over `groups.dp_cp_group` (the DP
+    replicas and the CP ranks, whose token slices add up to a replica's batch); EP-sharded
     experts over `groups.expert_dp_group`. The averages divide by the dense DP degree (the loss
-    is a per-rank mean), see `expert_grad_divisor` for the experts.
+    is a per-replica mean), see `expert_grad_divisor` for the experts.
     """
 
     def __init__(self, model: torch.nn.Module, master: MasterWeights, groups):
@@ -63,9 +66,11 @@ class GradSync:
     def average(self) -> None:
         """grad <- (sum over replicas of grad) / divisor, in the fixed tree order."""
         g = self.groups
-        if g.dp_size == 1:               # every replica of a parameter saw the same batch
+        cp = getattr(g, "cp_size", 1)
+        if g.dp_size * cp == 1:          # every replica of a parameter saw the same batch
             return
-        plans = ((False, g.dp_group, g.dp_size),
+        dense = getattr(g, "dp_cp_group", None) if cp > 1 else g.dp_group
+        plans = ((False, dense, g.dp_size),
                  (True, getattr(g, "expert_dp_group", None),
                   expert_grad_divisor(g.dp_size, g.tp_size, g.ep_size)))
         for expert, group, divisor in plans:
@@ -87,6 +92,8 @@ class GradSync:
         total = sq["rep"]
         for kind, group in (("tp", g.tp_group), ("ep", g.ep_group)):
             total = total + tpar.tree_all_reduce(sq[kind].reshape(1), group)[0]
+        if getattr(g, "pp_size", 1) > 1:  # every stage holds other parameters
+            total = tpar.tree_all_reduce(total.reshape(1), g.pp_group)[0]
         return float(total.sqrt())
 
     def clip(self, max_norm: float) -> float:
