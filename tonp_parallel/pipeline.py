@@ -4,7 +4,8 @@ that drive a stage's micro-batches (forward-only, and 1F1B for training).
     comm = PipeComm(groups.pp_group)
     outs = run_forward(comm, n, forward, in_shape)                  # inference
     run_1f1b(comm, n, forward, in_shape, out_shape)                 # training: forward + backward
-    value = comm.from_last(value, shape, dtype)                     # last stage's result, everywhere
+    value = comm.from_last(value, shape, dtype)       # last stage's result, everywhere; waits
+                                                      # until every message was received
 
 Why not `torch.distributed.pipelining`: its stages allocate every receive buffer once, from
 the metadata of the first micro-batch (`_make_tensor_from_meta`, static or inferred shapes),
@@ -34,6 +35,9 @@ from .collectives import group_rank, group_size
 Shape = Tuple[int, ...]
 _DOWN, _UP = 17, 18          # tags: stage s -> s + 1, stage s + 1 -> s
 _OK = 0
+# Sends a failing stage leaves behind: their work objects and tensors must outlive the call
+# (a dropped gloo work may never deliver its message).
+_ABANDONED: List = []
 
 
 class StageFailed(RuntimeError):
@@ -93,14 +97,17 @@ class PipeComm:
     def fail(self, stage: Optional[int] = None) -> None:
         """Tell both neighbours that `stage` (default: this one) failed; never waits."""
         code = torch.tensor([(self.stage if stage is None else stage) + 1], dtype=torch.int64)
+        _ABANDONED.extend(self._sends)
+        self._sends = []
         for down in (True, False):
             if (self.is_last if down else self.is_first):
                 continue
             try:
-                dist.isend(code, self._peer(down), group=self.group, tag=_DOWN if down else _UP)
+                work = dist.isend(code, self._peer(down), group=self.group,
+                                  tag=_DOWN if down else _UP)
+                _ABANDONED.append((work, code))
             except Exception:  # noqa: BLE001 -- best effort: this rank is failing anyway
                 pass
-        self._sends.clear()
 
     def finish(self) -> None:
         """Wait until every message sent has been received."""
@@ -109,11 +116,11 @@ class PipeComm:
         self._sends.clear()
 
     def guard(self, fn: Callable, *args):
-        """fn(*args); on any error tell the neighbours (see the module doc) and re-raise."""
+        """fn(*args); on any error tell the neighbours (see the module doc) and re-raise.
+        Sends are not waited for here: a neighbour that failed never receives them. The
+        schedules end with `from_last`, whose success means every message was received."""
         try:
-            out = fn(*args)
-            self.finish()
-            return out
+            return fn(*args)
         except StageFailed as e:
             self.fail(e.stage)
             raise
@@ -133,6 +140,7 @@ class PipeComm:
             v = value if self.is_last else self.recv(shape, dtype, down=False)
             if not self.is_first:
                 self.send(v, down=False)
+            self.finish()
             return v
         return self.guard(relay)
 
