@@ -7,7 +7,8 @@
 Which parameter is sharded, and over which group, comes from `model.parameter_shards()` only
 (name -> Shard with .group "tp" | "ep"); every other parameter of this pipeline stage is
 replicated. Under CP each rank's gradient covers its slice of the tokens: they are summed over
-the DP x CP group and divided by the DP degree. The norm adds up every pipeline stage's part.
+the DP x CP group and divided by the DP degree. The norm adds up every pipeline stage's part
+in the one-process order.
 Every sum over ranks is `tonp_parallel.tree_all_reduce` (fixed order), so all replicas get the
 same bits. See docs/training.md for how the expert-gradient divisor follows from the layout.
 """
@@ -83,17 +84,26 @@ class GradSync:
                 m.grad.copy_(part.view_as(m.grad))
 
     def norm(self) -> float:
-        """The global L2 norm of the master gradients over every shard, each counted once."""
+        """The global L2 norm of the master gradients over every shard, each counted once.
+        Under PP every stage's per-parameter sums are gathered and added in the one-process
+        model's parameter order, so the norm has PP 1's bits."""
+        parts = [m.grad.float().pow(2).sum() * w for m, w in zip(self.master.params,
+                                                                  self.norm_weight)]
+        kinds = list(self.kind)
+        g = self.groups
+        if getattr(g, "pp_size", 1) > 1:  # stages hold consecutive runs of the parameters
+            import torch.distributed as dist
+            stages: List = [None] * g.pp_size
+            dist.all_gather_object(stages, (parts, kinds), group=g.pp_group)
+            parts = [p for stage in stages for p in stage[0]]
+            kinds = [k for stage in stages for k in stage[1]]
         sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32)
                                        for k in ("rep", "tp", "ep")}
-        for m, kind, w in zip(self.master.params, self.kind, self.norm_weight):
-            sq[kind] = sq[kind] + m.grad.float().pow(2).sum() * w
-        g = self.groups
+        for part, kind in zip(parts, kinds):
+            sq[kind] = sq[kind] + part
         total = sq["rep"]
         for kind, group in (("tp", g.tp_group), ("ep", g.ep_group)):
             total = total + tpar.tree_all_reduce(sq[kind].reshape(1), group)[0]
-        if getattr(g, "pp_size", 1) > 1:  # every stage holds other parameters
-            total = tpar.tree_all_reduce(total.reshape(1), g.pp_group)[0]
         return float(total.sqrt())
 
     def clip(self, max_norm: float) -> float:
