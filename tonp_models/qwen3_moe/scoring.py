@@ -27,9 +27,11 @@ from tonp_parallel.pipeline import PipeComm, micro_batch_bounds, run_1f1b, run_f
 @dataclass
 class StepResult:
     """What `forward_backward` returns on every rank: loss (fp32 scalar, the sum of the
-    micro-batches' losses in order) and logprobs (fp32 [len - 1] per sequence, detached)."""
+    micro-batches' losses in order), logprobs (fp32 [len - 1] per sequence, detached) and
+    wait_s (seconds this rank waited for its pipeline neighbours: the bubble, plus transfers)."""
     loss: torch.Tensor
     logprobs: List[torch.Tensor]
+    wait_s: float = 0.0
 
 
 def _checked(model, who: str, sequences, temperature, extra=lambda: (), key=()):
@@ -215,7 +217,7 @@ def forward_backward(model, sequences, loss_fn: Callable[[List[torch.Tensor], ra
     for v in loss_vec[1:]:
         loss = loss + v
     return StepResult(loss, [lp for p, o in zip(plans, flat.split(
-        [sum(p.lens) - len(p.lens) for p in plans])) for lp in p.split_rows(o)])
+        [sum(p.lens) - len(p.lens) for p in plans])) for lp in p.split_rows(o)], comm.wait_s)
 
 
 __all__ = ["StepResult", "token_logprobs", "forward_backward"]
