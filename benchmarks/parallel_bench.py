@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run a
 from benchlib import RESULTS_DIR, fmt_ratio, log, md_table, write_results  # noqa: E402
 
 SIZES = {"smoke": dict(hidden=64, layers=2, seqs=4, seq_len=16, cp_len=64, repeat=1,
-                       micro=(2,), new_tokens=2),
+                       micro=(2,), new_tokens=2, prompts=4),
          "quick": dict(hidden=128, layers=4, seqs=8, seq_len=64, cp_len=2048, repeat=3,
-                       micro=(2, 4, 8), new_tokens=8),
+                       micro=(2, 4, 8), new_tokens=8, prompts=64),
          "full": dict(hidden=256, layers=8, seqs=16, seq_len=128, cp_len=4096, repeat=5,
-                      micro=(2, 4, 8, 16), new_tokens=16)}
+                      micro=(2, 4, 8, 16), new_tokens=16, prompts=128)}
 
 
 def _config(size):
@@ -103,7 +103,7 @@ def _bench_rank(size):
     train = _timed(fns, size["repeat"])
 
     from tonp_models import generate
-    prompts = [s[:8] for s in seqs]
+    prompts = [torch.randint(0, V, (16,), generator=g) for _ in range(size["prompts"])]
 
     def roll(model, chunks, mine):
         def run():
@@ -144,7 +144,7 @@ def report(mode, size, res, load_before, seconds):
     train = md_table(("training step", "ms (median)", "range ms", "tokens/s", "time vs PP 1",
                       "bubble measured", "1F1B bubble"), rows)
     dbase = res["decode"]["PP 1 x DP 2"][0]
-    new = size["seqs"] * size["new_tokens"]
+    new = size["prompts"] * size["new_tokens"]
     decode = md_table(("rollout", "ms (median)", "range ms", "new tok/s", "time vs PP 1"),
                       [(n, f"{t * 1e3:.0f}", _spread(s), f"{new / t:,.0f}", fmt_ratio(t / dbase))
                        for n, (t, s, _) in res["decode"].items()])
@@ -165,7 +165,8 @@ def report(mode, size, res, load_before, seconds):
         "## Training step: PP 2 (1F1B) against PP 1 x DP 2", "", train, "",
         "The bubble column is the fraction of the step the slowest rank spent waiting in "
         "pipeline receives (bubble and transfers).", "",
-        "## Rollout (generate): micro-batches in flight", "", decode, "",
+        f"## Rollout (generate, {size['prompts']} prompts of 16 tokens, "
+        f"{size['new_tokens']} new): micro-batches in flight", "", decode, "",
         f"## Forward of one {size['cp_len']}-token sequence: CP 2 against CP 1", "", context, ""])
 
 

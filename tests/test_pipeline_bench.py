@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 def test_parallel_bench_smoke_writes_report(tmp_path):
     import parallel_bench
     md = parallel_bench.main(["--smoke", "--out", str(tmp_path)])
-    for title in ("## Training step: PP 2 (1F1B) against PP 1 x DP 2", "## Rollout (generate)",
+    for title in ("## Training step: PP 2 (1F1B) against PP 1 x DP 2", "## Rollout (generate, 4 prompts",
                   "CP 2 against CP 1", "| PP 2, 1F1B, M=2 |", "| CP 2 |", "Load average"):
         assert title in md, title
     assert (tmp_path / "parallel_smoke.json").exists()

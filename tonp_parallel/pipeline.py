@@ -25,6 +25,7 @@ leaves its stage peers to that collective's timeout.) Received tensors are exact
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -51,13 +52,14 @@ class StageFailed(RuntimeError):
 
 
 class PipeComm:
-    """The point-to-point side of one pipeline (the PP group `group`; None = one stage).
+    """The point-to-point side of one pipeline (the PP group `group`; None = one stage), with
+    messages on `device` (the activations' device: NCCL / HCCL send device tensors).
 
     Attributes: stage, stages, is_first, is_last, wait_s (seconds spent waiting in receives:
     the bubble the benchmark reports)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
-        self.group = group
+    def __init__(self, group: Optional[dist.ProcessGroup], device="cpu"):
+        self.group, self.device = group, torch.device(device)
         self.stage, self.stages = group_rank(group), group_size(group)
         self.ranks = dist.get_process_group_ranks(group) if group is not None else [0]
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
@@ -71,7 +73,7 @@ class PipeComm:
     def send(self, x: torch.Tensor, down: bool) -> None:
         """Send x to the next (down) or previous stage, without waiting for it to arrive."""
         dst, tag = self._peer(down), _DOWN if down else _UP
-        header = torch.tensor([_OK], dtype=torch.int64)
+        header = torch.tensor([_OK], dtype=torch.int64, device=self.device)
         payload = x.detach().contiguous()
         self._sends.append((dist.isend(header, dst, group=self.group, tag=tag), header))
         if payload.numel():
@@ -79,16 +81,15 @@ class PipeComm:
 
     def recv(self, shape: Shape, dtype: torch.dtype, down: bool) -> torch.Tensor:
         """The next tensor from the previous (down: it flows down to us) or the next stage."""
-        import time
         src, tag = self._peer(not down), _DOWN if down else _UP
-        header = torch.empty(1, dtype=torch.int64)
+        header = torch.empty(1, dtype=torch.int64, device=self.device)
         t0 = time.perf_counter()
         dist.recv(header, src, group=self.group, tag=tag)
         code = int(header[0])
         if code != _OK:
             stage = code - 1
             raise StageFailed(stage, self.ranks[stage])
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         if out.numel():
             dist.recv(out, src, group=self.group, tag=tag)
         self.wait_s += time.perf_counter() - t0
@@ -96,7 +97,8 @@ class PipeComm:
 
     def fail(self, stage: Optional[int] = None) -> None:
         """Tell both neighbours that `stage` (default: this one) failed; never waits."""
-        code = torch.tensor([(self.stage if stage is None else stage) + 1], dtype=torch.int64)
+        code = torch.tensor([(self.stage if stage is None else stage) + 1], dtype=torch.int64,
+                            device=self.device)
         _ABANDONED.extend(self._sends)
         self._sends = []
         for down in (True, False):

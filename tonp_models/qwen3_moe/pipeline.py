@@ -65,13 +65,13 @@ def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], cache, slots:
         h = model.head_hidden(h, ctx, parts[m])
         return h if return_hidden else model.lm_head(h)
 
-    comm = PipeComm(model.groups.pp_group)
+    comm = PipeComm(model.groups.pp_group, next(model.parameters()).device)
     outs = run_forward(comm, len(groups), forward, shape)
     width, dtype = (model.config.hidden_size, model.dtype) if return_hidden else \
         (model.config.vocab_size, torch.float32)
     out = None
     if comm.is_last:
-        out = torch.empty((len(rows), width), dtype=dtype)
+        out = torch.empty((len(rows), width), dtype=dtype, device=outs[0].device)
         out[order] = torch.cat(outs)
     return comm.from_last(out, (len(rows), width), dtype)
 

@@ -106,7 +106,8 @@ def _groups(seqs, micro_batch_size, default_parts: int) -> List[range]:
 
 
 def _comm(model) -> PipeComm:
-    return PipeComm(model.groups.pp_group if model.pipelined else None)
+    return PipeComm(model.groups.pp_group if model.pipelined else None,
+                    next(model.parameters()).device)
 
 
 def token_logprobs(model, sequences, temperature, micro_batch_size, packed) -> List[torch.Tensor]:
