@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 import tonp_kernels as tk
+from test_parallel_model import _assert_same_rollout
 
 PROMPTS = [[3, 17, 200, 45, 9, 1, 2], [250, 9], [11, 12, 13, 14, 15]]
 NEW_TOKENS = 4
@@ -23,15 +24,15 @@ LENGTHS = (6, 11, 3, 37, 17)            # ragged; 37 spans three attention block
 
 
 def config(**kw):
-    from tonp_models import Qwen3MoeConfig
-    base = dict(num_hidden_layers=4, mlp_only_layers=[1], initializer_range=0.08,
-                max_position_embeddings=128)
-    return Qwen3MoeConfig.preset("tiny", **{**base, **kw})
+    """The tiny preset at 4 layers, layer 1 dense (model_helpers' "mlp_only")."""
+    from model_helpers import tiny_config
+    return tiny_config("mlp_only", **{"num_hidden_layers": 4, "max_position_embeddings": 128,
+                                      **kw})
 
 
 def seqs():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (n,), generator=g) for n in LENGTHS]
+    from model_helpers import random_seqs
+    return random_seqs(LENGTHS, 320, seed=1)
 
 
 def key(layout: dict) -> str:
@@ -82,14 +83,6 @@ def walk(layouts, cfg=None):
     return out
 
 
-def _same_rollout(a, b, what):
-    assert len(a.sequences) == len(b.sequences), what
-    for x, y in zip(a.sequences, b.sequences):
-        assert torch.equal(x, y), f"{what}: tokens {x.tolist()} vs {y.tolist()}"
-    for x, y in zip(a.logprobs, b.logprobs):
-        assert torch.equal(x, y), f"{what}: logprobs differ by {(x - y).abs().max()}"
-
-
 def _same_list(a, b, what):
     assert len(a) == len(b), what
     for x, y in zip(a, b):
@@ -107,8 +100,8 @@ def check_bits(spawned, reference_model):
             what = f"{r['layout']} rank {r['rank']}"
             _same_list(r["lps"], base["lps"], f"{what}: token_logprobs")
             assert torch.equal(r["logits"], base["logits"]), f"{what}: logits"
-            _same_rollout(r["greedy"], base["greedy"], f"{what}: greedy generate")
-            _same_rollout(r["sampled"], base["sampled"], f"{what}: sampled generate")
+            _assert_same_rollout(r["greedy"], base["greedy"], f"{what}: greedy generate")
+            _assert_same_rollout(r["sampled"], base["sampled"], f"{what}: sampled generate")
             assert torch.equal(r["loss"], base["loss"]), \
                 f"{what}: training-step loss {float(r['loss'])} vs {float(base['loss'])}"
             _same_list(r["step_lps"], base["lps"], f"{what}: training-step logprobs")
@@ -146,6 +139,17 @@ def check_grads(spawned, exact, atol=2e-6, rtol=1e-5):
                     torch.testing.assert_close(grad, want, atol=atol, rtol=rtol,
                                                msg=f"{what}: {name}")
             assert abs(r["norm"] - base["norm"]) <= rtol * base["norm"], what
+
+
+def check_layouts(spawned, exact=(), broken=()):
+    """check_bits (against the one-process model), check_rescoring, check_grads (bitwise for
+    the layouts in `exact`) and check_twins (stock torch differs at the layouts in `broken`)."""
+    from tonp_models import Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    check_bits(spawned, Qwen3MoeForCausalLM(config()))
+    check_rescoring(spawned)
+    check_grads(spawned, exact={key(dict()), *exact})
+    check_twins(spawned, set(broken))
 
 
 def check_twins(spawned, broken):

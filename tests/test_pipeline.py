@@ -74,23 +74,9 @@ def _reference():
 
 @pytest.mark.timeout(600)
 def test_pipeline_layouts_equal_the_one_process_model(spawned):
-    outs, _ = spawned
-    lw.check_bits([o["walk"] for o in outs], _reference())
-
-
-@pytest.mark.timeout(600)
-def test_rollout_at_one_layout_scores_identically_at_another(spawned):
-    lw.check_rescoring([o["walk"] for o in spawned[0]])
-
-
-@pytest.mark.timeout(600)
-def test_pipeline_gradients_equal_pp1(spawned):
-    lw.check_grads([o["walk"] for o in spawned[0]], exact=EXACT)
-
-
-@pytest.mark.timeout(600)
-def test_twin_stock_torch_breaks_the_pipeline_bits(spawned):
-    lw.check_twins([o["walk"] for o in spawned[0]], broken={lw.key(dict(pp=2))})
+    """Bits, rescoring, gradients (bitwise at PP alone) and the stock-torch twin at PP 2."""
+    lw.check_layouts([o["walk"] for o in spawned[0]], exact=EXACT,
+                     broken={lw.key(dict(pp=2))})
 
 
 @pytest.mark.timeout(600)

@@ -49,6 +49,18 @@ def _sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
     return y
 
 
+def _backend_reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's 1/W slice along `dim` of the sum over `group`, in the backend's order."""
+    W, d = group_size(group), dim % x.dim()
+    src = x.movedim(d, 0).contiguous()
+    if src.shape[0] % W:
+        raise ValueError(f"tonp_parallel.reduce_scatter_to_region: dim {dim} of size "
+                         f"{src.shape[0]} is not divisible by the group size {W}")
+    out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
+    reduce_scatter_flat(out, src, group=group)
+    return out.movedim(0, d).contiguous()
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -98,16 +110,8 @@ class _ReduceScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        W = group_size(group)
-        if W > 1 and _stock_mode():
-            d = dim % x.dim()
-            src = x.detach().movedim(d, 0).contiguous()
-            if src.shape[0] % W:
-                raise ValueError(f"tonp_parallel.reduce_scatter_to_region: dim {dim} of size "
-                                 f"{src.shape[0]} is not divisible by the group size {W}")
-            out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
-            reduce_scatter_flat(out, src, group=group)
-            return out.movedim(0, d).contiguous()
+        if group_size(group) > 1 and _stock_mode():
+            return _backend_reduce_scatter(x.detach(), group, dim)
         return tree_reduce_scatter(x, group, dim)
 
     @staticmethod
@@ -115,19 +119,10 @@ class _ReduceScatterToRegion(torch.autograd.Function):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
-class _AllGatherToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x.detach(), group, dim)
-
+class _AllGatherToRegion(_GatherFromRegion):
     @staticmethod
     def backward(ctx, grad):
-        d, W = ctx.dim % grad.dim(), group_size(ctx.group)
-        src = grad.movedim(d, 0).contiguous()
-        out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
-        reduce_scatter_flat(out, src, group=ctx.group)
-        return out.movedim(0, d).contiguous(), None, None
+        return _backend_reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherPartials(torch.autograd.Function):
