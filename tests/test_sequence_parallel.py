@@ -8,9 +8,9 @@ fixed tree of the all-reduce it replaces. One spawn of 4 gloo ranks walks TP 2 a
 SP, TP 2 x EP 2 with SP, PP 2 x TP 2 with SP and CP 2 x TP 2 with SP (ragged sequences: 74
 tokens, not a multiple of 4; decode steps of 3 rows): token_logprobs, logits, generate, a
 training step's loss: torch.equal to SP off (= the one-process model); gradients within
-2e-6 + 1e-5 |g| (backward reduce-scatters in the backend's order); the twin: in stock torch
-mode gloo's reduce_scatter at TP 4 sums in another order than its all_reduce (at TP 2 the two
-addends commute: no twin there).
+2e-6 + 1e-5 |g| (backward reduce-scatters in the backend's order); the twins: stock torch
+changes the bits at every layout, and at TP 4 SP itself changes them (gloo's reduce_scatter
+sums in another order than its all_reduce; at TP 2 the two addends commute).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ LAYOUTS = [dict(), dict(tp=4), dict(tp=4, sp=True), dict(tp=2, sp=True),
 
 @pytest.mark.timeout(600)
 def test_sequence_parallel_layouts_equal_sp_off():
-    """Bits, rescoring and gradients (see the module doc); the twin: stock torch at TP 4 gives
-    other bits with SP than without (the backend's reduce_scatter)."""
+    """Bits, rescoring, gradients and the twins (see the module doc); stock torch at TP 4
+    gives other bits with SP than without (the backend's reduce_scatter)."""
     spawned = run_distributed(lw.walk, WORLD, LAYOUTS, timeout=600)
     lw.check_layouts(spawned)
     by = {r["layout"]: r["twin"] for r in spawned[0]}
