@@ -17,6 +17,9 @@ import tonp_kernels as tk
 from test_parallel_model import _assert_same_rollout
 
 PROMPTS = [[3, 17, 200, 45, 9, 1, 2], [250, 9], [11, 12, 13, 14, 15]]
+# The second shares 6 tokens of the first's first page and waits for it: a prefix-cache hit that
+# forks a partial page (PagedKVCache.fork, on every layer this stage holds).
+FORKED = [[3, 17, 200, 45, 9, 1, 2, 8, 8], [3, 17, 200, 45, 9, 1, 5]]
 NEW_TOKENS = 4
 SAMPLING = dict(temperature=0.8, top_p=0.9, seed=5)
 MICRO = 2
@@ -75,6 +78,7 @@ def walk(layouts, cfg=None):
                 r["twin"] = model.token_logprobs(seqs())
         r["greedy"] = generate(model, PROMPTS, NEW_TOKENS)
         r["sampled"] = prev = generate(model, PROMPTS, NEW_TOKENS, **SAMPLING)
+        r["forked"] = generate(model, FORKED, NEW_TOKENS, max_batch_size=2)
         model.zero_grad(set_to_none=True)
         step = model.forward_backward(seqs(), _loss, micro_batches=MICRO)
         r["loss"], r["step_lps"] = step.loss, step.logprobs
@@ -102,6 +106,8 @@ def check_bits(spawned, reference_model):
             assert torch.equal(r["logits"], base["logits"]), f"{what}: logits"
             _assert_same_rollout(r["greedy"], base["greedy"], f"{what}: greedy generate")
             _assert_same_rollout(r["sampled"], base["sampled"], f"{what}: sampled generate")
+            _assert_same_rollout(r["forked"], base["forked"], f"{what}: forked prefix")
+            assert r["forked"].stats.cached_tokens == 6, f"{what}: no partial-page hit"
             assert torch.equal(r["loss"], base["loss"]), \
                 f"{what}: training-step loss {float(r['loss'])} vs {float(base['loss'])}"
             _same_list(r["step_lps"], base["lps"], f"{what}: training-step logprobs")
