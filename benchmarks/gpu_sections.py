@@ -259,6 +259,11 @@ def _fast_moe(sec, r) -> None:
     for m in (0, M - 1):
         one = fast_moe.moe_experts(x[m:m + 1], ids[m:m + 1], gu, dn, 0, C)
         sec.check(f"moe_experts: token {m} alone == in a batch of {M}", same_bits(one[0], y[m]))
+    e = int(ids[0, 0])  # the grouped kernel == the plain one: linear, silu_mul, linear
+    g = fl.linear(x[:1], gu[e], None, C)
+    h = rowwise.silu_mul_rows(g[:, :I], g[:, I:], torch.empty(1, I, dtype=BF16, device=dev))
+    sec.check("moe_experts: a slot == its expert as fast linear, silu_mul, fast linear",
+              same_bits(fl.linear(h, dn[e], None, C)[0], y[0, 0]))
     half = E // 2
     ok = True
     for lo in (0, half):
