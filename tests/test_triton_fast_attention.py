@@ -29,27 +29,24 @@ def _packed(Hq, Hkv, D, dtype, gen, lens=LENS):
 
 
 def _paged_cache(k, v, cu, dtype, gen):
-    """The packed K/V in shuffled pages of B rows; unused rows hold garbage, one page NaN/inf."""
-    lens = (cu[1:] - cu[:-1]).tolist()
-    need = [-(-n // B) for n in lens]
-    P = sum(need) + 2
-    shape = (P, B) + tuple(k.shape[1:])
+    """The packed K/V in shuffled pages of B rows (page i of sequence s is perm[first[s] + i]);
+    rows past a sequence's end hold NaN (K) and inf (V), the spare pages large garbage."""
+    lens = cu[1:] - cu[:-1]
+    need = (lens + B - 1) // B
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), need.cumsum(0)])
+    perm = torch.randperm(int(first[-1]) + 2, generator=gen)
+    shape = (perm.numel(), B) + tuple(k.shape[1:])
     kc = randn(*shape, dtype=dtype, gen=gen, scale=1e3)
     vc = randn(*shape, dtype=dtype, gen=gen, scale=1e3)
-    order = torch.randperm(P, generator=gen).tolist()
-    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    for s, n in enumerate(lens):
-        table[s, :need[s]] = torch.tensor(order[:need[s]], dtype=torch.int32)
-        order = order[need[s]:]
-        rows = torch.arange(n)
-        kc[table[s, rows // B].long(), rows % B] = k[int(cu[s]):int(cu[s]) + n]
-        vc[table[s, rows // B].long(), rows % B] = v[int(cu[s]):int(cu[s]) + n]
-    kc[order[0]], vc[order[0]] = float("nan"), float("inf")  # an unused page
-    for s, n in enumerate(lens):  # the unused rows of each sequence's last page
-        if n % B:
-            last = int(table[s, n // B])
-            kc[last, n % B:], vc[last, n % B:] = float("nan"), float("inf")
-    return kc, vc, table
+    used = perm[:int(first[-1])]
+    kc[used], vc[used] = float("nan"), float("inf")  # then overwritten where a key lives
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    pos = torch.arange(seq.numel()) - cu[seq]
+    page = perm[first[seq] + pos // B]
+    kc[page, pos % B], vc[page, pos % B] = k, v
+    slot = torch.arange(int(need.max()))
+    table = perm[(first[:-1, None] + slot).clamp(max=int(first[-1]) - 1)]
+    return kc, vc, torch.where(slot < need[:, None], table, 0).to(torch.int32)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -129,19 +126,23 @@ def test_other_blocks_and_stock_torch_break_it(gen):
 
 
 def test_bad_inputs_raise_clear_errors(gen):
+    """The shared argument rules (_opchecks), and the paged kernel's own: contiguous caches."""
     q, k, v, cu = _packed(4, 2, 16, torch.float32, gen)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        fa.attention_varlen(q[..., :12], k[..., :12], v[..., :12], cu, 0.3, B)
-    with pytest.raises(TypeError, match="dtypes differ"):
-        fa.attention_varlen(q, k.bfloat16(), v, cu, 0.3, B)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        fa.attention_varlen(q, k, v, cu + 1, 0.3, B)
     kc, vc, table = _paged_cache(k, v, cu, torch.float32, gen)
-    with pytest.raises(IndexError, match="capacity"):
-        fa.attention_paged(q[:1], kc, vc, table, torch.tensor([0]), torch.tensor([99]), 0.3)
-    with pytest.raises(IndexError, match="page id"):
-        fa.attention_paged(q[:1], kc, vc, table - 50, torch.tensor([0]), torch.tensor([0]), 0.3)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        fa.attention_paged(q[:1], kc.transpose(0, 1).contiguous().transpose(0, 1), vc, table,
-                           torch.tensor([0]), torch.tensor([0]), 0.3)
+    one, zero = torch.tensor([0]), torch.tensor([0])
+    strided = kc.transpose(0, 1).contiguous().transpose(0, 1)
+    bad = [(ValueError, "multiple of 8", lambda: fa.attention_varlen(
+                q[..., :12], k[..., :12], v[..., :12], cu, 0.3, B)),
+           (TypeError, "dtypes differ", lambda: fa.attention_varlen(q, k.bfloat16(), v, cu, 0.3,
+                                                                    B)),
+           (ValueError, "cu_seqlens", lambda: fa.attention_varlen(q, k, v, cu + 1, 0.3, B)),
+           (IndexError, "capacity", lambda: fa.attention_paged(q[:1], kc, vc, table, zero,
+                                                               torch.tensor([99]), 0.3)),
+           (IndexError, "page id", lambda: fa.attention_paged(q[:1], kc, vc, table - 50, zero,
+                                                              one, 0.3)),
+           (RuntimeError, "contiguous", lambda: fa.attention_paged(q[:1], strided, vc, table,
+                                                                   zero, one, 0.3))]
+    for exc, match, call in bad:
+        with pytest.raises(exc, match=match):
+            call()
     assert fa.attention_varlen(q[:0], k[:0], v[:0], cu[:1], 0.3, B).shape == (0, 4, 16)

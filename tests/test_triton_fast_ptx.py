@@ -9,16 +9,11 @@ whose row count is specialized as Triton does by default gets two keys for 1 and
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
-
-def _compile_mode_env():
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    return env
+from test_triton_ptx import _compile_mode_env  # the environment without TRITON_INTERPRET
 
 
 def test_fast_kernels_compile_to_one_tensor_core_kernel_for_any_row_count():

@@ -152,13 +152,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     arch = ap.parse_args(argv).arch
-    if _launch.INTERPRETED:
-        print("fast_compile_check: unset TRITON_INTERPRET (the kernels must be JIT functions)")
-        return 2
-    problems = check(arch)
-    for p in problems:
-        print("PROBLEM:", p)
-    print(f"triton {triton.__version__}, sm_{arch}: {len(problems)} problems")
+    problems = check(arch) if not _launch.INTERPRETED else \
+        ["unset TRITON_INTERPRET: the kernels must be JIT functions to compile"]
+    print("".join(f"PROBLEM: {p}\n" for p in problems) +
+          f"triton {triton.__version__}, sm_{arch}: {len(problems)} problems")
     return 1 if problems else 0
 
 

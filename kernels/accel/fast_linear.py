@@ -82,26 +82,30 @@ def _finish_store(p, b_ptr, out_ptr, offs, cols, mask, HAS_BIAS: tl.constexpr):
     tl.store(out_ptr + offs, to_out(p, out_ptr), mask=mask)
 
 
+@triton.jit
+def _row_tile(tiles_ptr, t, M, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """Rows, their mask and the expert of row tile t: a block of BM rows of M, or (GROUPED) row
+    t of the tile table (expert, first row, rows <= BM) of the MoE launch."""
+    if GROUPED:
+        first = tl.load(tiles_ptr + 3 * t + 1)
+        rows = first + tl.arange(0, BM)
+        return rows, rows < first + tl.load(tiles_ptr + 3 * t + 2), \
+            tl.load(tiles_ptr + 3 * t).to(tl.int64)
+    else:
+        rows = t * BM + tl.arange(0, BM)
+        return rows, rows < M, 0
+
+
 @triton.jit(do_not_specialize=["M", "split"])
 def _fast_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, tiles_ptr, M, N, K, kc, split,
                         w_estride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         STEPS: tl.constexpr, LEVELS: tl.constexpr, DOT: tl.constexpr,
                         INTERP: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    if GROUPED:  # tile table rows: (expert, first row, rows)
-        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
-        r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
-        r_end = r0 + tl.load(tiles_ptr + 3 * pid_m + 2)
-        w_ptr += e * w_estride
-    else:
-        r0 = pid_m * BM
-        r_end = M
-    rows = r0 + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rm = rows < r_end
+    rows, rm, expert = _row_tile(tiles_ptr, tl.program_id(0), M, BM, GROUPED)
+    w_ptr += expert * w_estride
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cm = cols < N
+    pid_s = tl.program_id(2)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
     cpp = (K // kc) // split  # chunks of this program: [pid_s * cpp, (pid_s + 1) * cpp)
