@@ -165,7 +165,17 @@ class TonpRMSNorm(RMSNorm):
         self.config = config
 
 
-class TonpSparseMoE(SparseMoeBlock):
+class _PerToken:
+    """forward([s, b, h], padding_mask=None) -> ([s, b, h], None) over tonp's (tokens, h) rows.
+    Tokens are independent (CONTRACT.md: a row never depends on its batch), so the (s b) order
+    needs no transpose; padding_mask only weights megatron's auxiliary losses (tonp has none)."""
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
+        y = super().forward(rearrange(hidden_states, "s b h -> (s b) h"))
+        return rearrange(y, "(s b) h -> s b h", b=hidden_states.shape[1]), None
+
+
+class TonpSparseMoE(_PerToken, SparseMoeBlock):
     """tonp's SparseMoeBlock as megatron's `mlp` of an MoE layer.
 
     Args: config (num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_router_pre_softmax),
@@ -192,16 +202,8 @@ class TonpSparseMoE(SparseMoeBlock):
 
     sharded_state_dict = _sharded_state_dict
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        # padding_mask only weights megatron's auxiliary losses; tonp computes none.
-        b = hidden_states.shape[1]
-        # Tokens are independent here (CONTRACT.md: a row never depends on its batch), so the
-        # [s*b, h] order needs no transpose.
-        y = super().forward(rearrange(hidden_states, "s b h -> (s b) h"))
-        return rearrange(y, "(s b) h -> s b h", b=b), None
 
-
-class TonpDenseMLP(DenseMLP):
+class TonpDenseMLP(_PerToken, DenseMLP):
     """tonp's DenseMLP (SwiGLU, gate/up column-parallel, down row-parallel over `pg_collection.tp`)
     as megatron's `mlp` of a dense layer. forward([s, b, h]) -> (out [s, b, h], None)."""
 
@@ -220,11 +222,6 @@ class TonpDenseMLP(DenseMLP):
         _mark_shards(self, pg_collection)
 
     sharded_state_dict = _sharded_state_dict
-
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        b = hidden_states.shape[1]
-        y = super().forward(rearrange(hidden_states, "s b h -> (s b) h"))
-        return rearrange(y, "(s b) h -> s b h", b=b), None
 
 
 # ---------------------------------------------------------------------------------------------
