@@ -28,13 +28,6 @@ def tiny_model(name: str = "mlp_only", seed: int = 0, dtype=torch.float32, **ove
     return Qwen3MoeForCausalLM(tiny_config(name, **overrides), dtype=dtype)
 
 
-def invariant_built() -> bool:
-    """True, or ImportError saying how to build: for test files that still write
-    `skipif(not invariant_built())`, which therefore never skips (a missing build fails)."""
-    tk.isa()
-    return True
-
-
 def use_mode(mode: str):
     """tk.use(mode), for the tests that run one body in both kernel modes. Invariant mode needs
     the C++ build: without it the test fails (ImportError saying how to build), never skips."""

@@ -16,9 +16,8 @@ from tonp_models import diagnose as dg
 from tonp_models.diagnose.__main__ import main as cli_main
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import invariant_built, random_seqs, tiny_model  # noqa: E402
+from model_helpers import random_seqs, tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not invariant_built(), reason="tonp_kernels C++ ops not built")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = ["--preset", "tiny", "--seed", "0"]
 
