@@ -21,6 +21,7 @@ def _f32(bits: int) -> float:
 
 
 # fp32 constants by their bits: exactly the C++ float literals (named beside them).
+CANONICAL_NAN = tl.constexpr(_f32(0x7FC00000))
 LOG2E = tl.constexpr(_f32(0x3FB8AA3B))  # 1.44269504088896341f
 EXP_LO = tl.constexpr(_f32(0xC2AEAC50))  # -87.33654475f
 EXP_HI = tl.constexpr(88.0)
