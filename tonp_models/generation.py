@@ -60,6 +60,7 @@ class GenerationOutput:
     """The rollouts, in the order of the prompts.
 
     sequences: int64 [prompt_len + n_new] per request (prompt then completion, eos included).
+        The tensors are on the model's device, like the training forward's logprobs.
     logprobs: fp32 [n_new] per request: the chosen token's log_softmax(logits / T) (T = 1 for
         greedy), the untruncated tempered distribution even when top-k / top-p restricted the draw.
     prompt_lengths, finish_reasons ("eos" | "stop" | "length") per request; stats for the call.
@@ -250,9 +251,10 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
                         strict=True, who="generate", lockstep_group=_lockstep(model, call))
         _run(engine, call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
+    dev = next(iter(model.parameters()), torch.empty(0)).device  # the model's, as its forward's
     return GenerationOutput(
-        sequences=[torch.tensor(r.tokens, dtype=torch.int64) for r in reqs],
-        logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in reqs],
+        sequences=[torch.tensor(r.tokens, dtype=torch.int64, device=dev) for r in reqs],
+        logprobs=[torch.tensor(r.logprobs, dtype=torch.float32, device=dev) for r in reqs],
         prompt_lengths=[r.prompt_len for r in reqs],
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
 

@@ -12,7 +12,7 @@ Modules: groups.py (layout, ParallelGroups, init_parallel), layout.py (model div
 collectives.py (tree all-reduce / reduce-scatter), regions.py (autograd pairs).
 """
 from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all_gather_stacked,
-                          clear_workspace, group_rank, group_size, tree_all_reduce,
+                          clear_workspace, group_device, group_rank, group_size, tree_all_reduce,
                           tree_order_sum, tree_reduce_scatter)
 from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, init_parallel,
                      rank_layout)
@@ -24,7 +24,8 @@ __all__ = [
     "ParallelGroups", "RankLayout", "init_parallel", "rank_layout", "check_layout",
     "default_backend", "validate_model_layout",
     "tree_all_reduce", "tree_reduce_scatter", "tree_order_sum", "all_gather_stacked",
-    "all_gather_along", "group_size", "group_rank", "SMALL_MESSAGE_BYTES", "ALGORITHMS",
+    "all_gather_along", "group_size", "group_rank", "group_device", "SMALL_MESSAGE_BYTES",
+    "ALGORITHMS",
     "clear_workspace",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
     "reduce_scatter_to_region", "gather_partials", "all_to_all",

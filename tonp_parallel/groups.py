@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .collectives import group_device
 from .layout import validate_model_layout
 
 Ranks = Tuple[int, ...]
@@ -108,6 +109,8 @@ class ParallelGroups:
                                    averaged over it; it spans the dense DP replicas and, when
                                    tp > ep, the TP ranks that hold a copy of the same experts)
       rank, world_size             global rank and world size (0 and 1 when single-process)
+      device                       this rank's device: LOCAL_RANK's GPU / NPU under NCCL / HCCL,
+                                   else the CPU (the model, its cache and collectives live there)
     """
 
     tp_group: Optional[dist.ProcessGroup] = None
@@ -128,6 +131,7 @@ class ParallelGroups:
     rank: int = 0
     world_size: int = 1
     backend: Optional[str] = field(default=None, compare=False)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -173,6 +177,7 @@ class ParallelGroups:
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             backend=dist.get_backend(),
+            device=group_device(dist.group.WORLD),
         )
 
     def local_experts(self, num_experts: int) -> range:
@@ -257,7 +262,7 @@ def init_parallel(tp: int = 1, ep: int = 1, *, expert_tp: int = 1, backend: Opti
                           dp_size=dps, expert_tp_group=mine["expert_tp"], expert_tp_rank=etr,
                           expert_tp_size=ets, expert_dp_group=mine["expert_dp"],
                           expert_dp_rank=edr, expert_dp_size=eds, rank=rank, world_size=world,
-                          backend=dist.get_backend())
+                          backend=dist.get_backend(), device=group_device(dist.group.WORLD))
 
 
 def _as_timeout(timeout: Union[timedelta, float]) -> timedelta:

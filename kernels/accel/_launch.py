@@ -58,7 +58,7 @@ _ROW_ISSUES = {1: "holds a NaN logit",
 def raise_row_issue(op: str, issues: torch.Tensor, temperature: float) -> None:
     """Refuse the lowest row whose issue code (int8 [M]: 1 NaN, 2 max +inf, 3 every logit -inf;
     vocab_ops.cpp RowIssue) is set, with the C++ check_rows message. One device sync."""
-    if bool(issues.any()):
+    if recorder is None and bool(issues.any()):
         r = int(issues.nonzero()[0])
         why = _ROW_ISSUES[int(issues[r])].format(T=temperature)
         raise ValueError(f"tonp.{op}: row {r}{' ' if why.startswith('holds') else ': '}{why}")

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import numerics as nm
-from ._launch import check_device, float_dtype, launch
+from ._launch import INTERPRETED, check_device, float_dtype, launch, pow2
 
 MAX_CHUNKS = 64  # as kernels.h kMaxChunks: the chunk tree keeps six pending levels
 # Whether the C++ build runs bf16 x bf16 linears by the pair chains (the `speed` branch's
@@ -142,7 +142,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estri
 
 
 def tiles_for(N: int) -> tuple:
-    """(BM, BN) of a program: from the weight's N only (wider for wide weights)."""
+    """(BM, BN) of a program: from the weight's N only (wider for wide weights). Interpreted,
+    up to 128 columns: the interpreter's cost is per program and operation, not per element."""
+    if INTERPRETED:
+        return 16, min(pow2(N), 128)
     return 16, (64 if N >= 4096 else 32)
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import numerics as nm
 from ._launch import check_device, float_dtype, launch, pow2
-from .linear import check_chunks, launch_linear
+from .linear import check_chunks, launch_linear, tiles_for
 from .rowwise import silu_mul_rows
 
 
@@ -135,13 +135,13 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
         raise IndexError(f"tonp.{op}: expert id {int(expert_ids.reshape(-1)[bad][0])} is not "
                          f"one of this call's experts [{first_expert}, {first_expert + E})")
     order = torch.sort(e, stable=True).indices
-    BM = 16
+    BM = tiles_for(2 * I)[0]  # the linear's row tile (the table's tiles hold at most BM rows)
     tiles = _expert_tiles(e, E, BM)
     xg = x.contiguous()[order // Kk]  # [R, H] grouped by expert
     gu = torch.empty(R, 2 * I, dtype=x.dtype, device=x.device)
-    launch_linear(xg, gate_up.contiguous(), None, gu, chunks, tiles, 2 * I * H, (BM, 32), pairs)
+    launch_linear(xg, gate_up.contiguous(), None, gu, chunks, tiles, 2 * I * H, None, pairs)
     h = silu_mul_rows(gu[:, :I], gu[:, I:], torch.empty(R, I, dtype=x.dtype, device=x.device))
     ys = torch.empty(R, H, dtype=x.dtype, device=x.device)
-    launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, (BM, 32), pairs)
+    launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, None, pairs)
     y.view(R, H)[order] = ys
     return y

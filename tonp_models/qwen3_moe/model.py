@@ -94,7 +94,9 @@ class Qwen3MoeForCausalLM(nn.Module):
     def reset_parameters(self) -> None:
         """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0.
         A sharded matrix draws the full tensor and keeps its shard, so the RNG stream (and
-        every weight) is the unsharded model's."""
+        every weight) is the unsharded model's. Draws come from the CPU generator whatever the
+        device, so a model built on a GPU holds the CPU-built model's weights; parameters on the
+        meta device (from_pretrained) draw nothing."""
         shards = self.parameter_shards()
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -102,12 +104,12 @@ class Qwen3MoeForCausalLM(nn.Module):
                     p.fill_(1.0)
                 elif name.endswith("bias"):
                     p.zero_()
-                elif name in shards:
-                    full = torch.empty(shards[name].full_shape(p.shape), dtype=p.dtype)
+                elif not p.is_meta:
+                    shard = shards.get(name)
+                    full = torch.empty(shard.full_shape(p.shape) if shard else p.shape,
+                                       dtype=p.dtype, device="cpu")
                     full.normal_(0.0, self.config.initializer_range)
-                    p.copy_(shards[name].take(full))
-                else:
-                    p.normal_(0.0, self.config.initializer_range)
+                    p.copy_(shard.take(full) if shard else full)
 
     def parameter_shards(self) -> Dict[str, Shard]:
         """{parameter name: Shard(dim, start, length, full, group "tp" | "ep")} for every
@@ -134,14 +136,15 @@ class Qwen3MoeForCausalLM(nn.Module):
                 instead of logits (for `lm_head.token_logprobs` / `lm_head.argmax`).
         Returns: fp32 [T, V] (packed), [R, V] (logits_rows), or [B, L, V] (padded, pads 0).
         """
-        ids = _int_tensor(input_ids, "input_ids")
+        dev = self.embed_tokens.weight.device       # index tensors follow the weights
+        ids = _int_tensor(input_ids, "input_ids").to(dev)
         if ids.dim() == 2:
             if cu_seqlens is not None or logits_rows is not None or return_hidden:
                 raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
                                  "attention_mask, not cu_seqlens/logits_rows/return_hidden")
             mask = _mask_of(attention_mask, ids)
             counts = mask.sum(1)
-            cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+            cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=dev)
             cu[1:] = torch.cumsum(counts, 0)
             packed = self.forward(ids[mask], cu, cache=cache, cache_slots=cache_slots)
             out = packed.new_zeros(*ids.shape, packed.shape[-1])
@@ -156,10 +159,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         ids = ids.long()
         T = ids.shape[0]
         cu, bounds = _bounds_of(cu_seqlens, T)
+        cu = cu.to(dev)
         counts = [b - a for a, b in zip(bounds, bounds[1:])]
         self._check_ids(ids)
         if logits_rows is not None:
-            logits_rows = _rows_of(logits_rows, T)
+            logits_rows = _rows_of(logits_rows, T).to(dev)
         attn_kw, step = self._positions(cu, counts, cache, cache_slots)
         positions = attn_kw.pop("positions")
 
@@ -207,10 +211,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             if max(counts, default=0) > limit:
                 raise ValueError(f"a sequence of {max(counts)} tokens exceeds "
                                  f"max_position_embeddings={limit}")
-            T = int(cu[-1])
-            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts, dtype=torch.long),
+            T, dev = sum(counts), cu.device
+            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts, device=dev),
                                              output_size=T)
-            return dict(positions=torch.arange(T) - starts, cu_seqlens=cu), None
+            return dict(positions=torch.arange(T, device=dev) - starts, cu_seqlens=cu), None
         self._check_cache(cache)
         slots = list(range(len(counts))) if cache_slots is None else _slots_of(cache_slots, cache)
         if len(slots) != len(counts):
@@ -282,6 +286,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def _score(self, seqs, temperature, packed):
         lens = [len(s) for s in seqs]
         targets = torch.cat([s[1:] for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+        targets = targets.to(self.embed_tokens.weight.device)
         if packed:
             cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(torch.tensor(lens), 0)
@@ -299,7 +304,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                 ids[i, :len(s)], mask[i, :len(s)] = s, True
             pred = mask.clone()
             pred[torch.arange(len(seqs)), torch.tensor(lens) - 1] = False
-            logits = self.forward(ids, attention_mask=mask)[pred]                  # (R, V)
+            logits = self.forward(ids, attention_mask=mask)[pred.to(targets.device)]  # (R, V)
             lp = tk.token_logprobs(logits, targets, temperature=temperature)
         return list(lp.split([n - 1 for n in lens]))
 

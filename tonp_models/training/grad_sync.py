@@ -79,7 +79,8 @@ class GradSync:
 
     def norm(self) -> float:
         """The global L2 norm of the master gradients over every shard, each counted once."""
-        sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32)
+        dev = self.master.params[0].device
+        sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32, device=dev)
                                        for k in ("rep", "tp", "ep")}
         for m, kind, w in zip(self.master.params, self.kind, self.norm_weight):
             sq[kind] = sq[kind] + m.grad.float().pow(2).sum() * w
