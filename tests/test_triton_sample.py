@@ -160,7 +160,7 @@ def test_frequencies_pass_a_chi_square_test_including_top_k_and_top_p():
 @triton.jit
 def _noise_kernel(h_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    h = tl.load(h_ptr + i).to(tl.uint64, bitcast=True)
+    h = tl.load(h_ptr + i)
     tl.store(out_ptr + i, 0.0 - sample._log_exponential(h))
 
 

@@ -70,11 +70,11 @@ def pair_step(a, b, c):
     after rounding to 24 bits (unbounded exponent) becomes a zero of its sign. |r| < FLT_MIN is
     tiny; |r| = FLT_MIN is tiny iff the doubled sum fma(2a, b, 2c) is finite and below 2 FLT_MIN."""
     r = tl.fma(a, b, c)
-    rb = r.to(tl.uint32, bitcast=True)
+    rb = r.to(tl.int32, bitcast=True)
     mag = rb & 0x7FFFFFFF
-    m2 = tl.fma(a * 2.0, b, c * 2.0).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    m2 = tl.fma(a * 2.0, b, c * 2.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     flush = (mag < 0x00800000) | ((mag == 0x00800000) & (m2 < 0x01000000))
-    return tl.where(flush, (rb & 0x80000000).to(tl.float32, bitcast=True), r)
+    return tl.where(flush, (rb & -2147483648).to(tl.float32, bitcast=True), r)  # r's sign
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from ._launch import check_device, float_dtype, launch, pow2, raise_row_issue
 from .vocab import _max_rows
 
 _M64 = 2 ** 64 - 1
+_TOP = tl.constexpr(-2 ** 63)  # the sign bit: an unsigned pattern ^ _TOP orders as a signed int64
 
 
 def splitmix64_int(z: int) -> int:
@@ -36,20 +37,28 @@ def splitmix64_int(z: int) -> int:
 
 
 @triton.jit
+def _lsr(z, n: tl.constexpr):
+    """Logical right shift of int64 bits (Triton's >> on signed integers is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+@triton.jit
 def splitmix64(z):
-    """splitmix64 of uint64 values (wrapping multiplies, logical shifts)."""
-    z = z + 0x9E3779B97F4A7C15
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    return z ^ (z >> 31)
+    """splitmix64 of 64-bit patterns held in int64 (wrapping multiplies, logical shifts; only
+    signed integers, which every Triton backend documents)."""
+    z = z + -0x61C8864680B583EB                  # 0x9E3779B97F4A7C15
+    z = (z ^ _lsr(z, 30)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+    z = (z ^ _lsr(z, 27)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+    return z ^ _lsr(z, 31)
 
 
 @triton.jit
 def _rank(y, idx):
-    """(y descending, id ascending) as one uint64, larger = earlier (vocab_ops rank_key)."""
-    b = (y + 0.0).to(tl.uint32, bitcast=True)
-    u = tl.where((b & 0x80000000) != 0, ~b, b | 0x80000000)
-    return (u.to(tl.uint64) << 32) | (idx.to(tl.uint64) ^ 0xFFFFFFFF)
+    """(y descending, id ascending) as an int64, larger = earlier: vocab_ops rank_key's unsigned
+    integer with its top bit flipped, so signed comparisons order it (-0 read as +0)."""
+    b = (y + 0.0).to(tl.int32, bitcast=True)
+    v = tl.where(b < 0, b ^ 0x7FFFFFFF, b)      # signed order = the value's order
+    return (v.to(tl.int64) << 32) | (idx.to(tl.int64) ^ 0xFFFFFFFF)
 
 
 @triton.jit
@@ -79,16 +88,17 @@ def _at_or_above(y_rows, rm, V, cand, floor, ymax, MASS: tl.constexpr, BM: tl.co
 @triton.jit
 def _cut(y_rows, rm, V, need, floor, ymax, idx_bits, MASS: tl.constexpr, BM: tl.constexpr,
          BV: tl.constexpr):
-    """The largest rank R with at_or_above(R) >= need, bit by bit from the top: the 32 bits of
-    the value, then the id's idx_bits low bits (the id part of every token's rank, 2^32 - 1 - id
-    with id < 2^idx_bits, has all the bits above them set: they start set)."""
-    ans = tl.full([BM], 0xFFFFFFFF, tl.uint64) ^ ((tl.full([BM], 1, tl.uint64) << idx_bits) - 1)
+    """The largest rank R with at_or_above(R) >= need, bit by bit from the top of R's unsigned
+    pattern (ans; ranks compare as ans ^ 2^63): the 32 bits of the value, then the id's idx_bits
+    low bits (the id part of every rank, 2^32 - 1 - id with id < 2^idx_bits, has all the bits
+    above them set: they start set)."""
+    ans = tl.full([BM], 0xFFFFFFFF, tl.int64) ^ ((tl.full([BM], 1, tl.int64) << idx_bits) - 1)
     for bit in range(32 + idx_bits):
-        shift = tl.where(bit < 32, 63 - bit, idx_bits + 31 - bit) + tl.full([BM], 0, tl.int32)
-        cand = ans | (tl.full([BM], 1, tl.uint64) << shift.to(tl.uint64))
-        ok = _at_or_above(y_rows, rm, V, cand, floor, ymax, MASS, BM, BV) >= need
+        shift = tl.where(bit < 32, 63 - bit, idx_bits + 31 - bit) + tl.full([BM], 0, tl.int64)
+        cand = ans | (tl.full([BM], 1, tl.int64) << shift)
+        ok = _at_or_above(y_rows, rm, V, cand ^ _TOP, floor, ymax, MASS, BM, BV) >= need
         ans = tl.where(ok, cand, ans)
-    return ans
+    return ans ^ _TOP
 
 
 @triton.jit
@@ -99,7 +109,7 @@ def _log_exponential(h):
     hi = ((h >> 32) & 0x7FFFFFFF).to(tl.int32).to(tl.float32)
     lo = (((h >> 1) & 0x7FFFFFFF) | 1).to(tl.int32).to(tl.float32)
     w = (hi * 4.656612873077393e-10 + lo * 2.168404344971009e-19) * 0.5  # 2^-31, 2^-62
-    upper = (h >> 63) != 0
+    upper = h < 0  # the top bit
     a = tl.where(upper, w, 1.0 - w)
     la = nm.log(a)
     e = tl.where(upper, 0.0 - la, tl.where(a == 1.0, w, tl.div_rn(la * w, a - 1.0)))
@@ -133,18 +143,18 @@ def _sample_kernel(x_ptr, y_ptr, req_ptr, pos_ptr, out_ptr, issue_ptr, M, V, tem
     ymax = tl.where(rm, ymax, 0.0)
     if TOPK or TOPP:
         tl.debug_barrier()  # y is written by now
-    cut = tl.full([BM], 0, tl.uint64)
+    cut = tl.full([BM], _TOP, tl.int64)  # every rank is at or above it
     if TOPK:
-        cut = _cut(y_rows, rm, V, tl.full([BM], 0, tl.int64) + top_k, cut, ymax, idx_bits, False, BM,
-                   BV)
+        k = tl.full([BM], 0, tl.int64) + top_k
+        cut = _cut(y_rows, rm, V, k, cut, ymax, idx_bits, False, BM, BV)
     if TOPP:
         Q = _at_or_above(y_rows, rm, V, cut, cut, ymax, True, BM, BV)
         need = p24 * (Q >> 24) + ((p24 * (Q & 0xFFFFFF) + 0xFFFFFF) >> 24)
         cut = _cut(y_rows, rm, V, need, cut, ymax, idx_bits, True, BM, BV)
     # The noise key of each row, then Gumbel-max over the kept tokens.
-    req = tl.load(req_ptr + rows, mask=rm, other=0).to(tl.uint64, bitcast=True)
-    pos = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.uint64, bitcast=True)
-    base = splitmix64(seed_mix.to(tl.int64).to(tl.uint64, bitcast=True) ^ splitmix64(req + 0x5851F42D4C957F2D))
+    req = tl.load(req_ptr + rows, mask=rm, other=0)
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0)
+    base = splitmix64(seed_mix.to(tl.int64) ^ splitmix64(req + 0x5851F42D4C957F2D))
     key = splitmix64(base ^ splitmix64(pos * 0x2545F4914F6CDD1D))
     best_s = tl.full([BM], float("-inf"), tl.float32)
     best_i = tl.full([BM], 0, tl.int64)
@@ -155,7 +165,7 @@ def _sample_kernel(x_ptr, y_ptr, req_ptr, pos_ptr, out_ptr, issue_ptr, M, V, tem
         keep = inside & (y != float("-inf"))
         if TOPK or TOPP:
             keep = keep & (_rank(y, idx) >= cut[:, None])
-        h = splitmix64(key[:, None] ^ idx.to(tl.uint64))
+        h = splitmix64(key[:, None] ^ idx.to(tl.int64))
         score = y - _log_exponential(h)
         top = nm.row_max(tl.where(keep, score, float("-inf")), BM, BV)
         at = nm.row_min(tl.where(keep & (score == top[:, None]), cols, BV), BM, BV)
@@ -200,7 +210,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, s
     launch(_sample_kernel, (triton.cdiv(M, BM),), logits.contiguous(), y,
            request_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(), out,
            issue, M, V, T, mix - 2 ** 64 if mix >= 2 ** 63 else mix, int(top_k),
-           int(math.ceil(top_p * 16777216.0)), max(1, (V - 1).bit_length()), BM=BM, BV=min(pow2(V), 512), BF16=bf16,
-           TOPK=topk, TOPP=topp)
+           int(math.ceil(top_p * 16777216.0)), max(1, (V - 1).bit_length()), BM=BM,
+           BV=min(pow2(V), 512), BF16=bf16, TOPK=topk, TOPP=topp)
     raise_row_issue(op, issue, temperature)
     return out
