@@ -3,6 +3,7 @@
     python examples/finetune.py --init out/pretrain/hf                 # default data: sft.jsonl
     python examples/finetune.py --init path/to/Qwen3-30B-A3B --data pairs.jsonl --dtype bf16
     torchrun --nproc-per-node 2 examples/finetune.py --init out/pretrain/hf
+    torchrun --nproc-per-node 4 examples/finetune.py --init out/pretrain/hf --pp 2 --tp 2 --sp
 
 --data is JSONL, one {"prompt": str, "response": str} per line. Each example is
 prompt + response (+ eos); the loss is the mean -log p over the response tokens only. Tokenizer:
@@ -21,9 +22,11 @@ from typing import Dict, List, Tuple
 import torch
 
 from tonp_models import Qwen3MoeForCausalLM
-from tonp_models.training import ItemSampler, evaluate, load_tokenizer, response_loss
+from tonp_models.training import (ItemSampler, evaluate, load_tokenizer, response_loss,
+                                  response_step)
 from tonp_models.training.cli import (DTYPES, add_launch_args, add_training_args, fraction,
-                                      launch, positive_int, run_script, run_supervised)
+                                      launch, layout_meta, positive_int, run_script,
+                                      run_supervised)
 
 SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sft.jsonl")
 Example = Tuple[List[int], List[int]]
@@ -105,12 +108,11 @@ def _train(args, groups) -> Dict:
                           what="training pairs")
     meta = {"script": "finetune", "config": model.config.to_hf(),
             "init": os.path.abspath(args.init), "dtype": str(model.dtype),
-            "layout": {"tp": groups.tp_size, "ep": groups.ep_size, "dp": groups.dp_size},
-            "seed": args.seed}
+            "layout": layout_meta(groups), "seed": args.seed}
 
     def loss(batch):
-        return (response_loss(model, [p for p, _ in batch], [r for _, r in batch]),
-                sum(len(p) + len(r) for p, r in batch))
+        return (response_step(model, [p for p, _ in batch], [r for _, r in batch],
+                              args.micro_batches), sum(len(p) + len(r) for p, r in batch))
 
     def nll(part):                              # (sum of -log p, tokens) of held-out pairs
         n = sum(len(r) for _, r in part)

@@ -5,9 +5,12 @@
     python examples/pretrain.py --out out/run1 --resume           # continue from the latest ckpt
     torchrun --nproc-per-node 2 examples/pretrain.py              # data parallel x2
     torchrun --nproc-per-node 4 examples/pretrain.py --tp 2 --ep 2
+    torchrun --nproc-per-node 4 examples/pretrain.py --pp 2 --tp 2 --sp --micro-batches 4
+    torchrun --nproc-per-node 2 examples/pretrain.py --cp 2 --seq-len 1024
 
 The loss is the mean of -log p(next token) from `model.token_logprobs` (the numbers an RL loop
-scores rollouts with). The loop, optimizer, checkpoints and `--resume` (bit for bit) are
+scores rollouts with), run by `model.forward_backward` in --micro-batches micro-batches (the
+1F1B pipeline schedule under --pp; the same loss bits at every --pp for the same micro-batches). The loop, optimizer, checkpoints and `--resume` (bit for bit) are
 tonp_models.training's (see docs/training.md); the HF export goes to <out>/hf.
 --data: a UTF-8 text file (bytes are the tokens) or a raw token file (.bin/.u16 = uint16,
 .u32 = uint32, memory-mapped); default examples/data/corpus.txt (examples/make_corpus.py).
@@ -22,10 +25,11 @@ from typing import Dict
 import torch
 
 from tonp_models.training import (ByteTokenizer, WindowSampler, build_model, check_vocab,
-                                  evaluate, lm_loss, load_tokens, window_rows)
+                                  evaluate, lm_step, load_tokens, window_rows)
 from tonp_models.training.cli import (DTYPES, add_config_args, add_launch_args,
-                                      add_training_args, fraction, launch, load_config,
-                                      non_negative_int, positive_int, run_script, run_supervised)
+                                      add_training_args, fraction, launch, layout_meta,
+                                      load_config, non_negative_int, positive_int, run_script,
+                                      run_supervised)
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
@@ -63,8 +67,7 @@ def _train(args, groups) -> Dict:
                             groups.dp_size)
     model = build_model(config, DTYPES[args.dtype], groups, args.seed)
     meta = {"script": "pretrain", "config": config.to_hf(), "dtype": args.dtype,
-            "layout": {"tp": groups.tp_size, "ep": groups.ep_size, "dp": groups.dp_size},
-            "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+            "layout": layout_meta(groups), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
 
     def nll(windows):                           # (sum of -log p, tokens) of held-out windows
         rows = window_rows(val, windows, args.seq_len)
@@ -73,7 +76,8 @@ def _train(args, groups) -> Dict:
 
     n_eval = min(args.eval_batches * args.batch_size, max(0, (len(val) - 1) // args.seq_len))
     return run_supervised(
-        args, groups, model, sampler, lambda b: (lm_loss(model, b), b[:, 1:].numel()),
+        args, groups, model, sampler,
+        lambda b: (lm_step(model, b, args.micro_batches), b[:, 1:].numel()),
         meta=meta, name="pretrain",
         eval_fn=lambda: evaluate(model, range(n_eval), args.batch_size, groups, nll))
 

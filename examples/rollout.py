@@ -5,6 +5,7 @@
     python examples/rollout.py --hf path/to/Qwen3-30B-A3B --prompts-file prompts.jsonl --dtype bf16
     python examples/rollout.py --preset tiny --token-ids 1,2,3 --token-ids 7,8
     torchrun --nproc-per-node 4 examples/rollout.py --tp 2 --ep 2 --preset tiny --token-ids 1,2,3
+    torchrun --nproc-per-node 2 examples/rollout.py --pp 2 --micro-batches 4 --preset tiny ...
 
 Prompts: --prompt TEXT, --token-ids I,J,K (both repeatable), --prompts-file: JSONL (one
 {"prompt": text} or {"token_ids": [ints]} a line; a .jsonl/.json file or a first line starting
@@ -12,7 +13,8 @@ with "{") or plain text (one prompt a line). Text is tokenized by the checkpoint
 when --hf has one, else as UTF-8 bytes; the config's bos_token_id goes first unless --no-bos.
 Each output line: {"index", "prompt_ids", "completion_ids", "logprobs", "finish_reason"}
 (+ "completion" text for text prompts). The logprobs are what `model.token_logprobs` gives
-for prompt + completion, bit for bit, at any --tp / --ep (global rank 0 writes).
+for prompt + completion, bit for bit, at any --tp / --ep / --pp / --sp (global rank 0 writes;
+under --pp each decode step's sequences go through the stages in --micro-batches groups).
 """
 from __future__ import annotations
 
@@ -186,6 +188,7 @@ def main(argv=None) -> int:
 
 def _run(args, groups) -> int:
     model = load_model(args, groups)
+    model.pipeline_micro_batches = args.micro_batches
     tokenizer = load_tokenizer(args.hf, model.config)
     prompts, is_text = read_prompts(args, tokenizer, model.config.vocab_size)
     eos = args.eos if args.eos is not None else model.config.eos_token_id

@@ -35,7 +35,8 @@ def impl(op: str, *tensors):
         raise TypeError(f"tonp.{op}: expected tensors, got {type(bad).__name__}") from None
     devices = sorted({str(t.device) for t in tensors if t is not None})
     if len(devices) > 1:
-        raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}")
+        raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}; "
+                           f"one call takes its tensors on one device (CPU, CUDA or NPU)")
     if stock_op is not None:
         return stock_op
     from . import _accel

@@ -115,8 +115,26 @@ def test_fast_kernels_plug_in_by_name(tmp_path, monkeypatch, gen):
     with tk.use("invariant", backend="triton"):
         assert_bitwise(tk.rms_norm(x, w, 1e-6), torch.ops.tonp.rms_norm(x, w, 1e-6), "exact")
     assert sys.modules["tonp_kernels.accel.fast_probe"].calls == [(3, 32)]
-    assert set(registry.fast_kernels()) == {"rms_norm"}
+    assert set(registry.fast_kernels()) == {"rms_norm", "linear", "attention_varlen",
+                                            "attention_paged", "moe_experts"}
     monkeypatch.setattr(registry, "_fast", None)
+
+
+def test_numerics_fast_routes_to_the_fast_kernels(gen):
+    """The fast_*.py kernels (tensor-core linear, attention, MoE experts) are what
+    numerics="fast" runs for those ops, with their bits; exact numerics keep the C++ bits."""
+    from tonp_kernels.accel import fast_attention, fast_linear, fast_moe
+    assert registry.fast_kernels() == {
+        "linear": fast_linear.linear, "attention_varlen": fast_attention.attention_varlen,
+        "attention_paged": fast_attention.attention_paged, "moe_experts": fast_moe.moe_experts}
+    x, w = randn(5, 64, gen=gen), randn(48, 64, gen=gen)
+    before = registry.CALLS["linear"]
+    with tk.use("invariant", numerics="fast", backend="triton"):
+        got = tk.linear(x, w)
+    assert registry.CALLS["linear"] == before + 1
+    assert_bitwise(got, fast_linear.linear(x, w, None, 8, None), "fast linear via the dispatch")
+    with tk.use("invariant", numerics="exact", backend="triton"):
+        assert_bitwise(tk.linear(x, w), torch.ops.tonp.linear(x, w, None, 8, None), "exact")
 
 
 def test_what_cannot_run_is_refused_clearly(monkeypatch):

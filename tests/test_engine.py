@@ -239,6 +239,21 @@ def test_full_cache_makes_requests_wait_and_lru_keeps_what_is_used():
         assert_bitwise(torch.tensor(r.logprobs), want.logprobs[r.key], f"request {r.key}")
 
 
+def test_a_prefix_hit_that_does_not_fit_beside_its_source_is_recomputed():
+    """One page in all: the second prompt's partial-page hit would need its source page and a
+    private copy at once, so it is recomputed (a miss, the source evicted), never a failure."""
+    model = tiny_model(torch.float32)
+    B = model.config.attention_block
+    first = list(range(1, B - 6))                         # 9 tokens + 4 new: one page
+    second = first[:6] + [99]                              # shares 6 positions of that page
+    for batch in (1, 2):                                   # the cache: 1 page, then 2
+        out = generate(model, [first, second], 4, max_batch_size=batch)
+        want = generate(model, [first, second], 4, prefix_cache=False)
+        assert (out.stats.cached_tokens > 0) == (batch == 2), out.stats
+        for a, b in zip(out.logprobs, want.logprobs):
+            assert_bitwise(a, b, f"batch {batch}")
+
+
 def test_kv_cache_pages_are_reference_counted():
     model = tiny_model(torch.float32)
     cache = model.new_cache(3, 64, num_pages=4)

@@ -308,7 +308,8 @@ def test_pretrain_data_parallel_under_torchrun(tmp_path):
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
     meta = read_meta(ck)
-    assert meta["layout"] == {"tp": 1, "ep": 1, "dp": 2} and meta["world_size"] == 2
+    assert meta["layout"] == {"tp": 1, "ep": 1, "dp": 2, "pp": 1, "cp": 1, "sp": False,
+                              "pp_layers": None} and meta["world_size"] == 2
     logged = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))[0]["loss"]
     one = run_pretrain(tmp_path / "one", "--steps", 1, "--eval-every", 0, "--no-export",
                        "--batch-size", 8)["losses"][1]

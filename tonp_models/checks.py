@@ -128,7 +128,9 @@ class TPCheck:
 
     @classmethod
     def of(cls, model, who: str) -> "TPCheck":
-        group = getattr(getattr(model, "groups", None), "tp_group", None)
+        groups = getattr(model, "groups", None)
+        # The ranks of one replica: TP x CP x PP when the groups know it, else the TP group.
+        group = getattr(groups, "model_group", None) or getattr(groups, "tp_group", None)
         if group is None or tpar.group_size(group) == 1:
             return cls(who)
         return cls(who, group, next(model.parameters()).device)

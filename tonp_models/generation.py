@@ -251,12 +251,21 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
                         strict=True, who="generate", lockstep_group=_lockstep(model, call))
         _run(engine, call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
-    dev = next(iter(model.parameters()), torch.empty(0)).device  # the model's, as its forward's
+    dev = _device(model)
     return GenerationOutput(
         sequences=[torch.tensor(r.tokens, dtype=torch.int64, device=dev) for r in reqs],
         logprobs=[torch.tensor(r.logprobs, dtype=torch.float32, device=dev) for r in reqs],
         prompt_lengths=[r.prompt_len for r in reqs],
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
+
+
+def _device(model) -> torch.device:
+    """The model's device (where its forward's outputs are); the CPU for a stand-in that has
+    neither a device nor parameters (a wrapper of new_cache and __call__)."""
+    dev = getattr(model, "device", None)
+    if dev is None and hasattr(model, "parameters"):
+        dev = next(iter(model.parameters()), torch.empty(0)).device
+    return torch.device(dev or "cpu")
 
 
 def _lockstep(model, call: _Call):

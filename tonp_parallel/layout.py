@@ -1,9 +1,10 @@
-"""The one place that knows which model shapes tonp's kernels run and which TP / EP / world
-layouts split a model without changing its bits.
+"""The one place that knows which model shapes tonp's kernels run and which TP / EP / PP / CP /
+world layouts split a model without changing its bits.
 
     problems = layout_problems(config, tp=2, ep=4)        # [] or one readable line per rule
-    validate_model_layout(config, tp=2, ep=4)             # the same, raised as one ValueError
+    validate_model_layout(config, tp=2, ep=4, pp=2)       # the same, raised as one ValueError
     validate_model_layout(None, tp=2, ep=2, world_size=8) # the rank-layout rules only
+    stages = stage_layers(48, pp=4, pp_layers=(13, 12, 12, 11))   # [range(0, 13), ...]
 
 Qwen3MoeConfig.validate (at TP = EP = 1), the model and the megatron modules (at their groups'
 degrees) and `rank_layout` (the world) all call it; the layers only assert the local shapes
@@ -11,7 +12,7 @@ they allocate. Why each rule: CONTRACT.md (chunk tree, vocab tree) and docs/chec
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Sequence
 
 import tonp_kernels as tk
 
@@ -46,20 +47,58 @@ def _layer_kinds(config) -> tuple:
     return not all(kinds), any(kinds)
 
 
-def _degree_problems(tp, ep, expert_tp, world_size) -> List[str]:
+def _degree_problems(tp, ep, expert_tp, world_size, pp=1, cp=1) -> List[str]:
     errors = [f"{name} must be a positive int, got {v!r}"
-              for name, v in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp),
-                              ("world_size", world_size))
+              for name, v in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp), ("pp", pp),
+                              ("cp", cp), ("world_size", world_size))
               if not (v is None and name == "world_size") and not _positive_int(v)]
     if errors or world_size is None:
         return errors
-    if world_size % tp:
-        errors.append(f"world size {world_size} is not divisible by tp={tp} (the dense layout "
-                      f"is world = dp x tp)")
-    if world_size % (ep * expert_tp):
-        errors.append(f"world size {world_size} is not divisible by ep x expert_tp = {ep} x "
-                      f"{expert_tp} (the expert layout is world = expert_dp x ep x expert_tp)")
+    def product(names, values):
+        used = [(n, v) for n, v in zip(names, values) if v != 1 or n in ("tp", "ep")]
+        return " x ".join(f"{n}" for n, _ in used) + " = " + " x ".join(
+            str(v) for _, v in used) if len(used) > 1 else f"{used[0][0]}={used[0][1]}"
+    if world_size % (tp * cp * pp):
+        errors.append(f"world size {world_size} is not divisible by "
+                      f"{product(('tp', 'cp', 'pp'), (tp, cp, pp))} (the dense layout is "
+                      f"world = pp x dp x cp x tp)")
+    if world_size % (pp * ep * expert_tp):
+        errors.append(f"world size {world_size} is not divisible by "
+                      f"{product(('ep', 'expert_tp', 'pp'), (ep, expert_tp, pp))} (the expert "
+                      f"layout is world = pp x expert_dp x ep x expert_tp)")
     return errors
+
+
+def _stage_problems(num_layers, pp, pp_layers) -> List[str]:
+    """The rules of a pipeline split of `num_layers` layers over `pp` stages."""
+    if pp_layers is None:
+        if _positive_int(num_layers) and pp > num_layers:
+            return [f"pp={pp} exceeds the {num_layers} layers (every stage needs at least one)"]
+        return []
+    layers = list(pp_layers) if isinstance(pp_layers, (list, tuple)) else None
+    if layers is None or not all(_positive_int(n) for n in layers):
+        return [f"pp_layers={pp_layers!r} must be a list of positive ints (layers per stage)"]
+    errors = []
+    if len(layers) != pp:
+        errors.append(f"pp_layers={layers} has {len(layers)} entries; pp={pp} needs one per stage")
+    if _positive_int(num_layers) and sum(layers) != num_layers:
+        errors.append(f"pp_layers={layers} sums to {sum(layers)}, not to the {num_layers} layers")
+    return errors
+
+
+def stage_layers(num_layers: int, pp: int = 1, pp_layers: Optional[Sequence[int]] = None
+                 ) -> List[range]:
+    """The layers of each pipeline stage: `pp_layers` (layers per stage, first stage first) or,
+    when None, as even as possible with the first `num_layers % pp` stages one layer longer.
+    Raises ValueError naming the rule a split breaks."""
+    errors = _stage_problems(num_layers, pp, pp_layers)
+    if errors:
+        raise ValueError("tonp_parallel: cannot split the layers: " + "; ".join(errors))
+    if pp_layers is None:
+        base, extra = divmod(num_layers, pp)
+        pp_layers = [base + (s < extra) for s in range(pp)]
+    starts = [sum(pp_layers[:s]) for s in range(pp + 1)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def _size_problems(config, tp: int) -> List[str]:
@@ -121,8 +160,9 @@ def _size_problems(config, tp: int) -> List[str]:
 
 
 def layout_problems(config: Any = None, tp: int = 1, ep: int = 1, expert_tp: int = 1, *,
-                    world_size: Optional[int] = None) -> List[str]:
-    """Every rule the (tp, ep, expert_tp) split of `config` on `world_size` ranks breaks.
+                    world_size: Optional[int] = None, pp: int = 1, cp: int = 1,
+                    pp_layers: Optional[Sequence[int]] = None) -> List[str]:
+    """Every rule the (tp, ep, expert_tp, pp, cp) split of `config` on `world_size` ranks breaks.
 
     `config`: a Qwen3MoeConfig, an HF config or a dict with the HF field names (hidden_size,
     num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
@@ -134,11 +174,23 @@ def layout_problems(config: Any = None, tp: int = 1, ep: int = 1, expert_tp: int
         divides the KV heads or is a multiple of them (KV heads replicated);
       * EP divides the experts; TP and EP (both > 1) divide one another; expert_tp is 1
         (experts are whole on each rank);
-      * world_size is a multiple of tp and of ep x expert_tp.
+      * PP stages hold at least one layer each (`pp_layers`, if given: one positive count a
+        stage, summing to num_hidden_layers); tied embeddings are refused at pp > 1 (the first
+        stage holds the embedding, the last the LM head); CP and sequence parallelism split
+        tokens and have no shape rule;
+      * world_size is a multiple of tp x cp x pp and of pp x ep x expert_tp.
     """
-    errors = _degree_problems(tp, ep, expert_tp, world_size)
-    if errors or config is None:
+    errors = _degree_problems(tp, ep, expert_tp, world_size, pp, cp)
+    if errors:
         return errors
+    if pp > 1 or pp_layers is not None:
+        errors += _stage_problems(_get(config, "num_hidden_layers"), pp, pp_layers)
+    if config is None:
+        return errors
+    if pp > 1 and _get(config, "tie_word_embeddings", False):
+        errors.append(f"tie_word_embeddings=True with pp={pp}: the first stage holds the "
+                      f"embedding and the last the LM head, and tonp does not keep two copies "
+                      f"of one weight in sync; untie them or use pp=1")
     errors += _size_problems(config, tp)
     if expert_tp != 1:
         errors.append(f"expert_tp={expert_tp}: tonp keeps each expert whole on its rank "
@@ -153,14 +205,17 @@ def layout_problems(config: Any = None, tp: int = 1, ep: int = 1, expert_tp: int
 
 
 def validate_model_layout(config: Any = None, tp: int = 1, ep: int = 1, expert_tp: int = 1, *,
-                          world_size: Optional[int] = None) -> None:
+                          world_size: Optional[int] = None, pp: int = 1, cp: int = 1,
+                          pp_layers: Optional[Sequence[int]] = None) -> None:
     """Raise one ValueError listing every rule of `layout_problems` the layout breaks."""
-    errors = layout_problems(config, tp, ep, expert_tp, world_size=world_size)
+    errors = layout_problems(config, tp, ep, expert_tp, world_size=world_size, pp=pp, cp=cp,
+                             pp_layers=pp_layers)
     if errors:
         where = f" on {world_size} ranks" if world_size is not None else ""
+        more = "".join(f", {k}={v}" for k, v in (("pp", pp), ("cp", cp)) if v != 1)
         raise ValueError(f"tonp_parallel: cannot lay out tp={tp}, ep={ep}, expert_tp="
-                         f"{expert_tp}{where}: " + "; ".join(errors))
+                         f"{expert_tp}{more}{where}: " + "; ".join(errors))
 
 
 __all__ = ["MAX_CHUNKS", "HEAD_DIM_MULTIPLE", "VOCAB_CHUNKS", "layout_problems",
-           "validate_model_layout"]
+           "validate_model_layout", "stage_layers"]

@@ -78,9 +78,10 @@ class Scheduler:
             if self._in_flight(r, m.length):
                 i += 1                                 # its prefix is being computed: wait
                 continue
-            pages = -(-len(r.tokens) // cache.page_size) - len(m.pages)
-            held = [p for p in m.pages + ([m.fork[0]] if m.fork else [])
-                    if not cache.is_held(p)]           # evictable pages it would pin
+            pages, held = self._pages_for(r, m)
+            if m.length and need + pages + len(held) > cache.free_pages:
+                m = Match()      # the hit does not fit beside the pages it pins: recompute
+                pages, held = self._pages_for(r, m)
             if need + pages + len(held) > cache.free_pages:
                 break                                  # FIFO: later requests do not jump it
             self.waiting.pop(i)
@@ -90,6 +91,12 @@ class Scheduler:
             feeds.append((r, n))
             budget -= n
         return feeds
+
+    def _pages_for(self, r: Request, m: Match):
+        """(new pages r needs with match m, the evictable pages m would pin)."""
+        cache = self.cache
+        held = [p for p in m.pages + ([m.fork[0]] if m.fork else []) if not cache.is_held(p)]
+        return -(-len(r.tokens) // cache.page_size) - len(m.pages), held
 
     def _admit(self, r: Request, m: Match) -> None:
         cache = self.cache

@@ -45,6 +45,8 @@ class PagedKVCache:
 
     Args:
         num_layers, kv_heads (local to this rank), head_dim: the model's attention shape.
+        layers: the layer ids this cache holds pages for (default all; a pipeline stage's
+            cache holds its own layers, the others are empty [0, page_size, kv_heads, D]).
         page_size: positions per page; must equal the model's attention block.
         num_pages: pages shared by all sequences.
         max_seqs: sequence slots; max_seq_len: positions a sequence may reach.
@@ -55,14 +57,19 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page_size: int,
                  num_pages: int, max_seqs: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
+                 dtype: torch.dtype = torch.float32, device="cpu", layers=None):
         if page_size < 1 or num_pages < 1 or max_seqs < 1 or max_seq_len < 1:
             raise ValueError("PagedKVCache: sizes must be positive")
         self.page_size, self.num_pages, self.max_seq_len = page_size, num_pages, max_seq_len
-        shape = (num_pages, page_size, kv_heads, head_dim)
         self.device = torch.device(device)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layers = tuple(range(num_layers) if layers is None else layers)
+        held = set(self.layers)
+
+        def pages(layer):
+            n = num_pages if layer in held else 0
+            return torch.zeros((n, page_size, kv_heads, head_dim), dtype=dtype, device=device)
+        self.k = [pages(i) for i in range(num_layers)]
+        self.v = [pages(i) for i in range(num_layers)]
         self.max_pages_per_seq = -(-max_seq_len // page_size)
         self.page_table = torch.zeros((max_seqs, self.max_pages_per_seq), dtype=torch.int32)
         self.lengths = [0] * max_seqs
@@ -136,7 +143,8 @@ class PagedKVCache:
             page = self._take_page()
         finally:
             self._unref(src)
-        for kc, vc in zip(self.k, self.v):
+        for layer in self.layers:                   # a pipeline stage holds only its own
+            kc, vc = self.k[layer], self.v[layer]
             kc[page, :rows].copy_(kc[src, :rows])
             vc[page, :rows].copy_(vc[src, :rows])
         self._append(slot, page)

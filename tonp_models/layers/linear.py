@@ -3,10 +3,14 @@
 At TP 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP t:
 - ColumnParallelLinear holds out_features / t output rows (copy_to_region, then the local
   linear); its output stays sharded on the last dim. `copies` consecutive ranks may hold the
-  same shard (KV heads when t exceeds them); their gradients are summed over the copies.
+  same shard (KV heads when t exceeds them); their gradients are summed over the copies. A
+  layer whose linears share one input enters the region once (`enter_tp_region`: copy, or
+  the sequence-parallel all-gather) and builds them with entered=True.
 - RowParallelLinear holds in_features / t input columns = C / t chunks of the chunk tree: the
   local fp32 subtree, then `reduce_from_region` finishes the tree over ranks in rank order, so
-  the bits equal TP 1 (CONTRACT.md, chunk tree). The bias comes after.
+  the bits equal TP 1 (CONTRACT.md, chunk tree); under sequence parallelism (`sp`, a
+  tonp_parallel.SequenceSplit) the same tree as a reduce-scatter, keeping this rank's rows.
+  The bias comes after.
 Each sharded parameter is described by a `tonp_parallel.Shard` in the module's `shards`.
 """
 from __future__ import annotations
@@ -45,15 +49,17 @@ class ColumnParallelLinear(nn.Module):
 
     Args: in_features, out_features (global sizes), bias, chunks (C of the chunk tree over
     in_features), tp_group (None = TP 1), dtype, out_dtype (e.g. fp32 for the LM head),
-    copies: consecutive TP ranks holding the same shard (s = t / copies shards; KV heads).
+    copies: consecutive TP ranks holding the same shard (s = t / copies shards; KV heads),
+    entered: the owning layer enters the TP region itself (`enter_tp_region`, once for all
+    its linears), so this one does not `copy_to_region` its input.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  chunks: int = tk.DEFAULT_CHUNKS, tp_group=None,
                  dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None,
-                 copies: int = 1):
+                 copies: int = 1, entered: bool = False):
         super().__init__()
-        self.tp_group, self.tp_size = tp_group, _tp_size(tp_group)
+        self.tp_group, self.tp_size, self.entered = tp_group, _tp_size(tp_group), entered
         if copies < 1 or self.tp_size % copies:
             raise ValueError(f"ColumnParallelLinear: copies={copies} must divide the "
                              f"tensor-parallel degree {self.tp_size}")
@@ -74,7 +80,8 @@ class ColumnParallelLinear(nn.Module):
         w, b = self.weight, self.bias
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
-            x = copy_to_region(x, self.tp_group)
+            if not self.entered:
+                x = copy_to_region(x, self.tp_group)
             if self.copies > 1:
                 from tonp_parallel.sharding import sum_over_replicas
                 w = sum_over_replicas(w, self.tp_group, self.copies)
@@ -108,7 +115,8 @@ class RowParallelLinear(nn.Module):
             start = _tp_rank(tp_group) * self.local_in
             self.shards = {"weight": Shard(1, start, self.local_in, in_features)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
+        """x [T, in/t] -> [T, out] (under sequence parallelism `sp`: this rank's [n, out])."""
         if self.tp_size == 1:
             return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
         from tonp_parallel import reduce_from_region
@@ -117,7 +125,8 @@ class RowParallelLinear(nn.Module):
         # same here after the cross-rank tree, so a bias keeps TP t equal to TP 1.
         partial = tk.linear_partial(x, self.weight, chunks=self.chunks // self.tp_size)
         probe("partial", partial, kind="partial")
-        y = reduce_from_region(partial, self.tp_group)
+        y = reduce_from_region(partial, self.tp_group) if sp is None else \
+            sp.reduce_scatter(partial)
         probe("reduce", y, kind="collective")
         if self.bias is not None:
             y = y + self.bias.float()

@@ -26,6 +26,8 @@ down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id rang
 A row's expert output depends only on the row and the expert's weights, and the combine runs
 where the token lives, so EP = 1, 2, 4 give the same bits. Every rank of the EP group must run
 each forward (and backward) together, with any number of tokens (zero included).
+Under sequence parallelism (`sp`) the block gathers the TP group's rows first and keeps this
+rank's rows of the output: inside, every TP rank holds every token, as without SP.
 """
 from __future__ import annotations
 
@@ -84,7 +86,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"SparseMoeBlock: tensor-parallel degree {tp_size} and expert-"
                              f"parallel degree {ep_size} must divide one another")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
+        """x [M, H] (under sequence parallelism `sp`: this rank's [n, H]) -> like x."""
+        if sp is not None and sp.size > 1:
+            # Replicated consumer: every TP rank's x-gradient is the whole one (no sum).
+            return sp.scatter(self.forward(sp.gather(x, sum_grads=False)))
         logits = tk.linear(x, self.gate, chunks=self.chunks)                       # (M, E)
         ids, weights = tk.moe_route(logits, self.top_k, self.norm_topk_prob)       # (M, K) x2
         if probing():

@@ -19,6 +19,7 @@ import functools
 from typing import Optional
 
 import torch
+from einops import rearrange
 
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
 
@@ -164,7 +165,17 @@ class TonpRMSNorm(RMSNorm):
         self.config = config
 
 
-class TonpSparseMoE(SparseMoeBlock):
+class _PerToken:
+    """forward([s, b, h], padding_mask=None) -> ([s, b, h], None) over tonp's (tokens, h) rows.
+    Tokens are independent (CONTRACT.md: a row never depends on its batch), so the (s b) order
+    needs no transpose; padding_mask only weights megatron's auxiliary losses (tonp has none)."""
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
+        y = super().forward(rearrange(hidden_states, "s b h -> (s b) h"))
+        return rearrange(y, "(s b) h -> s b h", b=hidden_states.shape[1]), None
+
+
+class TonpSparseMoE(_PerToken, SparseMoeBlock):
     """tonp's SparseMoeBlock as megatron's `mlp` of an MoE layer.
 
     Args: config (num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_router_pre_softmax),
@@ -191,16 +202,8 @@ class TonpSparseMoE(SparseMoeBlock):
 
     sharded_state_dict = _sharded_state_dict
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        # padding_mask only weights megatron's auxiliary losses; tonp computes none.
-        s, b, h = hidden_states.shape
-        # Tokens are independent here (CONTRACT.md: a row never depends on its batch), so the
-        # [s*b, h] order needs no transpose.
-        y = super().forward(hidden_states.reshape(s * b, h))
-        return y.view(s, b, h), None
 
-
-class TonpDenseMLP(DenseMLP):
+class TonpDenseMLP(_PerToken, DenseMLP):
     """tonp's DenseMLP (SwiGLU, gate/up column-parallel, down row-parallel over `pg_collection.tp`)
     as megatron's `mlp` of a dense layer. forward([s, b, h]) -> (out [s, b, h], None)."""
 
@@ -219,10 +222,6 @@ class TonpDenseMLP(DenseMLP):
         _mark_shards(self, pg_collection)
 
     sharded_state_dict = _sharded_state_dict
-
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        s, b, h = hidden_states.shape
-        return super().forward(hidden_states.reshape(s * b, h)).view(s, b, h), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,25 +289,25 @@ class TonpSelfAttention(Attention):
             raise ValueError(f"TonpSelfAttention: {unsupported} are not supported (causal self-"
                              f"attention with tonp's own RoPE tables)")
         self._check_rope(rotary_pos_emb)
-        s, b, h = hidden_states.shape
+        s, b, _ = hidden_states.shape
         rotary = self._rotary[0]
         if inference_context is not None:
             if packed_seq_params is not None:
                 raise ValueError("TonpSelfAttention: packed_seq_params with an inference_context "
                                  "is not supported")
-            x = hidden_states.transpose(0, 1).reshape(b * s, h)                    # (b*s, h)
+            x = rearrange(hidden_states, "s b h -> (b s) h")      # b sequences, packed
             cache, step = _static_cache_step(inference_context, self, b, s, x.dtype, x.device)
             y = super().forward(x, step.positions, rotary, cache=cache, step=step)
-            return y.view(b, s, h).transpose(0, 1).contiguous(), None
+            return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
         if packed_seq_params is not None:
             x, cu = _thd(hidden_states, packed_seq_params)                         # (T, h)
             y = super().forward(x, _positions(cu), rotary, cu_seqlens=cu)
             return y.unsqueeze(1), None
         _check_causal_mask(attention_mask, s)
-        x = hidden_states.transpose(0, 1).reshape(b * s, h)      # b sequences, packed (b*s, h)
+        x = rearrange(hidden_states, "s b h -> (b s) h")          # b sequences, packed
         cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
         y = super().forward(x, torch.arange(s).repeat(b), rotary, cu_seqlens=cu)
-        return y.view(b, s, h).transpose(0, 1).contiguous(), None
+        return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
 
     def _check_rope(self, emb) -> None:
         """Catch a GPTModel whose rotary_base / rotary_percent differ from the spec's (once)."""

@@ -2,8 +2,9 @@
 used by the loader, the saver, the megatron converters and the tests.
 
     load_checkpoint(model, path)     # this rank's shards, read slice by slice (memory-mapped)
-    save_checkpoint(model, path)     # gathered over TP / EP; global rank 0 writes, atomically
+    save_checkpoint(model, path)     # gathered over TP / EP / PP; global rank 0 writes, atomically
     slots = hub_slots(model)         # every HF tensor <-> (parameter, region) of this rank
+    copy_parameters(src, dst)        # the same weights into a model of another layout
 
 Which parameter is sharded, and which slice a rank holds, comes only from
 `model.parameter_shards()`; the table says only how HF names map to tonp parameters. Layouts,
@@ -92,9 +93,11 @@ def _applies(config, where: str, layer: Optional[int]) -> bool:
 
 def hub_slots(model, fused_layers=(), full: bool = False) -> List[Slot]:
     """Every HF tensor of `model`'s config in the hub layout (layers in `fused_layers` in the
-    fused-expert layout). full=False: this rank's share (its TP slices, the experts it holds,
-    regions of its local parameters); full=True: the unsharded model's (regions of the full
-    parameters, e.g. after `gather_full_parameters`)."""
+    fused-expert layout). full=False: this rank's share (its pipeline stage's tensors, its TP
+    slices, the experts it holds, regions of its local parameters); full=True: the unsharded,
+    unpipelined model's (regions of the full parameters, e.g. after `gather_full_parameters`)."""
+    if full and getattr(model, "pipelined", False):
+        model = _whole(model)
     c, params = model.config, dict(model.named_parameters())
     shards = model.parameter_shards()
     layers = range(c.num_hidden_layers)
@@ -104,6 +107,8 @@ def hub_slots(model, fused_layers=(), full: bool = False) -> List[Slot]:
             if not _applies(c, where, L) or (part is not None and L in fused_layers):
                 continue
             name = ours.format(L=L)
+            if name not in params:  # another pipeline stage's
+                continue
             shard = shards.get(name)
             shape = shard.full_shape(params[name].shape) if shard else tuple(params[name].shape)
             mine = None if full else shard
@@ -118,11 +123,20 @@ def hub_slots(model, fused_layers=(), full: bool = False) -> List[Slot]:
     for L in fused_layers:
         for hf, ours in FUSED.items():
             name = ours.format(L=L)
+            if name not in params:
+                continue
             shard = None if full else shards.get(name)
             shape = (c.num_experts, *params[name].shape[1:])
             first, n = (shard.start, shard.length) if shard else (0, c.num_experts)
             slots.append(Slot(hf.format(L=L), name, (), shape, (slice(first, first + n),)))
     return slots
+
+
+def _whole(model):
+    """The one-process model of `model`'s config and dtype, on the meta device (names and
+    full shapes of every stage's parameters)."""
+    with torch.device("meta"):
+        return type(model)(model.config, dtype=model.dtype)
 
 
 def _expert_slots(hf, L, name, part, shape, shard) -> List[Slot]:
@@ -214,10 +228,9 @@ def load_checkpoint(model, path) -> None:
 def state_dict_hub(model) -> Dict[str, torch.Tensor]:
     """The model's weights under HF hub names (contiguous CPU tensors in the model's dtype).
 
-    A sharded model gathers its shards first (collective over its TP and EP groups: every
-    rank must call it); the result is the whole model on every rank."""
-    params = gather_full_parameters(model) if model.parameter_shards() else \
-        dict(model.named_parameters())
+    A sharded or pipelined model gathers its shards and stages first (collective over its TP,
+    EP and PP groups: every rank must call it); the result is the whole model on every rank."""
+    params = gather_full_parameters(model)
     out = {}
     for s in hub_slots(model, full=True):
         t = params[s.param][s.index] if s.index else params[s.param]
@@ -227,8 +240,9 @@ def state_dict_hub(model) -> Dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def gather_full_parameters(model) -> Dict[str, torch.Tensor]:
-    """{name: the full (unsharded) parameter} from every rank's shard: an all_gather per sharded
-    parameter over its TP or EP group (bytes only: exact in every dtype). Collective."""
+    """{name: the full (unsharded) parameter} of every stage, from every rank's shard: an
+    all_gather per sharded parameter over its TP or EP group, then (under PP) every stage's
+    parameters over the PP group (bytes only: exact in every dtype). Collective."""
     from tonp_parallel import all_gather_stacked
     shards, out = model.parameter_shards(), {}
     for name, p in model.named_parameters():
@@ -245,7 +259,38 @@ def gather_full_parameters(model) -> Dict[str, torch.Tensor]:
         for start, part in zip(starts, parts):   # KV-head copies write the same slice twice
             full.narrow(s.dim, start, s.length).copy_(part)
         out[name] = full
+    if getattr(model, "pipelined", False):
+        import torch.distributed as dist
+        stages = [None] * model.groups.pp_size
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in out.items()},
+                               group=model.groups.pp_group)
+        out = {k: v for stage in stages for k, v in stage.items()}
     return out
+
+
+@torch.no_grad()
+def load_full_parameters(model, full: Dict[str, torch.Tensor]) -> None:
+    """Copy this rank's part (its stage, its shards) of the full parameters `full` (as
+    `gather_full_parameters` gives them, any layout's) into `model`. Exact: bytes only."""
+    shards = model.parameter_shards()
+    for name, p in model.named_parameters():
+        if name not in full:
+            raise ValueError(f"load_full_parameters: no full tensor for {name}")
+        src = shards[name].take(full[name]) if name in shards else full[name]
+        if src.shape != p.shape:
+            raise ValueError(f"load_full_parameters: {name} is {tuple(src.shape)} in the source, "
+                             f"{tuple(p.shape)} here")
+        p.copy_(src)
+
+
+def copy_parameters(src, dst) -> None:
+    """The weights of model `src` into model `dst` of the same config on the same ranks, in
+    any other TP / EP / PP / CP layout (e.g. a rollout model beside the trainer): every
+    parameter is gathered whole on every rank, then each rank keeps its part. Collective
+    over every rank of both layouts' groups; memory: the whole model once per rank."""
+    if src.config != dst.config:
+        raise ValueError("copy_parameters: the two models have different configs")
+    load_full_parameters(dst, gather_full_parameters(src))
 
 
 def save_checkpoint(model, path, max_shard_size: int = 5 * 2**30) -> None:
@@ -255,7 +300,7 @@ def save_checkpoint(model, path, max_shard_size: int = 5 * 2**30) -> None:
     an error on rank 0 is raised on every rank."""
     path = os.fspath(path)
     tensors = state_dict_hub(model)
-    if not model.parameter_shards():
+    if not model.parameter_shards() and not getattr(model, "pipelined", False):
         write_directory(path, lambda tmp: _write(model, tmp, tensors, max_shard_size))
         return
     import torch.distributed as dist
@@ -288,4 +333,5 @@ def _write(model, path: str, tensors, max_shard_size: int) -> None:
 
 
 __all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "load_checkpoint", "state_dict_hub",
-           "gather_full_parameters", "save_checkpoint"]
+           "gather_full_parameters", "load_full_parameters", "copy_parameters",
+           "save_checkpoint"]

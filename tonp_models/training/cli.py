@@ -57,10 +57,36 @@ positive_float = _number(float, lambda v: math.isfinite(v) and v > 0,
 fraction = _number(float, lambda v: 0 <= v < 1, "must be a number in [0, 1)")
 
 
+def int_list(text: str):
+    """"13,12,12,11" -> (13, 12, 12, 11): positive ints, comma-separated."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1 (layers per "
+                                         f"pipeline stage), got {text!r}")
+    return values
+
+
+int_list.__name__ = "layers per stage"
+
+
 def add_launch_args(ap: argparse.ArgumentParser) -> None:
-    """--tp, --ep, --threads, --mode, --device, --numerics, --dist-timeout."""
+    """--tp, --ep, --pp, --cp, --sp, --pp-layers, --micro-batches, --threads, --mode, --device,
+    --numerics, --dist-timeout."""
     ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
     ap.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree")
+    ap.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree")
+    ap.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree")
+    ap.add_argument("--sp", action="store_true",
+                    help="sequence parallelism over the TP group (Megatron's)")
+    ap.add_argument("--pp-layers", type=int_list, default=None, metavar="N,N,...",
+                    help="layers per pipeline stage, e.g. 13,12,12,11 (default: even split, "
+                         "the first stages one longer)")
+    ap.add_argument("--micro-batches", type=positive_int, default=None,
+                    help="micro-batches per training step (default: the pp degree; 1F1B "
+                         "schedule under --pp)")
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads (default: as set)")
     ap.add_argument("--mode", choices=tk.MODES, default="invariant", help="tonp kernel mode")
@@ -145,17 +171,28 @@ def launch(args, body: Callable[[Any, tpar.ParallelGroups], Any]) -> Any:
     body(args, groups)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (args.tp > 1 or args.ep > 1) and "WORLD_SIZE" not in os.environ \
+    if max(args.tp, args.ep, args.pp, args.cp) > 1 and "WORLD_SIZE" not in os.environ \
             and not torch.distributed.is_initialized():
-        raise ValueError(f"--tp {args.tp} --ep {args.ep} needs several processes: launch with "
-                         f"torchrun --nproc-per-node N (N a multiple of tp and of ep)")
-    groups = tpar.init_parallel(tp=args.tp, ep=args.ep, timeout=args.dist_timeout)
+        raise ValueError(f"--tp {args.tp} --ep {args.ep} --pp {args.pp} --cp {args.cp} needs "
+                         f"several processes: launch with torchrun --nproc-per-node N (N a "
+                         f"multiple of tp x cp x pp and of pp x ep)")
+    groups = tpar.init_parallel(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp,
+                                pp_layers=args.pp_layers, timeout=args.dist_timeout)
     device = getattr(args, "device", "auto")
     if device not in ("auto", groups.device.type):
         local = int(os.environ.get("LOCAL_RANK", "0")) if device != "cpu" else None
         groups = dataclasses.replace(groups, device=torch.device(device, local))
+    if args.micro_batches is None:
+        args.micro_batches = groups.pp_size
     with tk.use(args.mode, numerics=getattr(args, "numerics", "exact")):
         return body(args, groups)
+
+
+def layout_meta(groups) -> Dict[str, Any]:
+    """The layout a checkpoint was written at (a resume must match it)."""
+    return {"tp": groups.tp_size, "ep": groups.ep_size, "dp": groups.dp_size,
+            "pp": groups.pp_size, "cp": groups.cp_size, "sp": groups.sequence_parallel,
+            "pp_layers": list(groups.pp_layers) if groups.pp_layers else None}
 
 
 def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
@@ -174,9 +211,10 @@ def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
 
 
 def export_hf(model, path: str, groups, files_from: Optional[str] = None) -> str:
-    """`model.save_pretrained(path)` (+ the tokenizer files of `files_from`). Under TP/EP every
-    rank takes part (the shards are gathered, global rank 0 writes); otherwise rank 0 alone."""
-    if groups.tp_size > 1 or groups.ep_size > 1 or groups.rank == 0:
+    """`model.save_pretrained(path)` (+ the tokenizer files of `files_from`). Under TP/EP/PP
+    every rank takes part (shards and stages are gathered, global rank 0 writes); otherwise
+    rank 0 alone."""
+    if model.parameter_shards() or model.pipelined or groups.rank == 0:
         model.save_pretrained(path)
     if files_from and groups.rank == 0:
         for name in TOKENIZER_FILES:

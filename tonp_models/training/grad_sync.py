@@ -5,9 +5,12 @@
     norm = sync.clip(max_norm=1.0)              # the pre-clip norm of the whole model
 
 Which parameter is sharded, and over which group, comes from `model.parameter_shards()` only
-(name -> Shard with .group "tp" | "ep"); every other parameter is replicated. Every sum over
-ranks is `tonp_parallel.tree_all_reduce` (fixed order), so all replicas get the same bits.
-See docs/training.md for how the expert-gradient divisor follows from the TP x EP layout.
+(name -> Shard with .group "tp" | "ep"); every other parameter of this pipeline stage is
+replicated. Under CP each rank's gradient covers its slice of the tokens: they are summed over
+the DP x CP group and divided by the DP degree. The norm adds up every pipeline stage's part
+in the one-process order.
+Every sum over ranks is `tonp_parallel.tree_all_reduce` (fixed order), so all replicas get the
+same bits. See docs/training.md for how the expert-gradient divisor follows from the layout.
 """
 from __future__ import annotations
 
@@ -31,9 +34,10 @@ def expert_grad_divisor(dp_size: int, tp_size: int, ep_size: int) -> int:
 class GradSync:
     """Averages the master gradients over DP and clips them by the global norm.
 
-    Dense (and, at ep = 1, expert) parameters are replicated over `groups.dp_group`; EP-sharded
+    Dense (and, at ep = 1, expert) parameters are replicated over `groups.dp_cp_group` (the DP
+    replicas and the CP ranks, whose token slices add up to a replica's batch); EP-sharded
     experts over `groups.expert_dp_group`. The averages divide by the dense DP degree (the loss
-    is a per-rank mean), see `expert_grad_divisor` for the experts.
+    is a per-replica mean), see `expert_grad_divisor` for the experts.
     """
 
     def __init__(self, model: torch.nn.Module, master: MasterWeights, groups):
@@ -63,9 +67,11 @@ class GradSync:
     def average(self) -> None:
         """grad <- (sum over replicas of grad) / divisor, in the fixed tree order."""
         g = self.groups
-        if g.dp_size == 1:               # every replica of a parameter saw the same batch
+        cp = getattr(g, "cp_size", 1)
+        if g.dp_size * cp == 1:          # every replica of a parameter saw the same batch
             return
-        plans = ((False, g.dp_group, g.dp_size),
+        dense = getattr(g, "dp_cp_group", None) if cp > 1 else g.dp_group
+        plans = ((False, dense, g.dp_size),
                  (True, getattr(g, "expert_dp_group", None),
                   expert_grad_divisor(g.dp_size, g.tp_size, g.ep_size)))
         for expert, group, divisor in plans:
@@ -78,13 +84,25 @@ class GradSync:
                 m.grad.copy_(part.view_as(m.grad))
 
     def norm(self) -> float:
-        """The global L2 norm of the master gradients over every shard, each counted once."""
+        """The global L2 norm of the master gradients over every shard, each counted once.
+        Under PP every stage's per-parameter sums are gathered and added in the one-process
+        model's parameter order, so the norm has PP 1's bits."""
         dev = self.master.params[0].device
+        parts = [m.grad.float().pow(2).sum() * w for m, w in zip(self.master.params,
+                                                                  self.norm_weight)]
+        kinds = list(self.kind)
+        g = self.groups
+        if getattr(g, "pp_size", 1) > 1:  # stages hold consecutive runs of the parameters
+            import torch.distributed as dist
+            stages: List = [None] * g.pp_size
+            # CPU copies travel (a device tensor would unpickle onto the sender's device)
+            dist.all_gather_object(stages, ([p.cpu() for p in parts], kinds), group=g.pp_group)
+            parts = [p.to(dev) for stage in stages for p in stage[0]]
+            kinds = [k for stage in stages for k in stage[1]]
         sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32, device=dev)
                                        for k in ("rep", "tp", "ep")}
-        for m, kind, w in zip(self.master.params, self.kind, self.norm_weight):
-            sq[kind] = sq[kind] + m.grad.float().pow(2).sum() * w
-        g = self.groups
+        for part, kind in zip(parts, kinds):
+            sq[kind] = sq[kind] + part
         total = sq["rep"]
         for kind, group in (("tp", g.tp_group), ("ep", g.ep_group)):
             total = total + tpar.tree_all_reduce(sq[kind].reshape(1), group)[0]

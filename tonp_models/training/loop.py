@@ -1,6 +1,6 @@
 """The supervised training loop pretraining and finetuning share, and its losses.
 
-    result = fit(trainer, sampler, lambda batch: (lm_loss(model, batch), batch[:, 1:].numel()),
+    result = fit(trainer, sampler, lambda batch: (lm_step(model, batch), batch[:, 1:].numel()),
                  steps=200, out_dir="out/run", resume="latest", eval_fn=..., eval_every=25,
                  save_every=50)
     result["losses"]   # {step: loss}: the mean over the global batch (every DP rank's share)
@@ -8,6 +8,10 @@
 Each step: next batch, forward + backward, `trainer.step()`, one metrics row (loss, lr,
 grad_norm, tokens_per_s, eval_loss every eval_every steps); a checkpoint every save_every steps
 and at the end, with the sampler's position, so `resume` continues bit for bit.
+Losses: `lm_loss` / `response_loss` return a differentiable loss (PP 1); `lm_step` /
+`response_step` run the forward and backward themselves through `model.forward_backward`
+(micro-batches; the 1F1B schedule under PP) and return the loss detached: the same bits at
+every PP degree for the same micro-batches.
 """
 from __future__ import annotations
 
@@ -37,6 +41,30 @@ def response_loss(model, prompts: Sequence[Sequence[int]], responses: Sequence[S
     lps = model.token_logprobs(seqs)                      # lps[i][j] = log p(seq_i[j+1] | ...)
     resp = [lp[len(p) - 1:] for lp, p in zip(lps, prompts)]
     return -torch.cat(resp).mean()
+
+
+def token_mean_step(model, seqs: Sequence[torch.Tensor], first: Sequence[int],
+                    micro_batches: int = 1) -> torch.Tensor:
+    """Forward + backward of the mean -log p over the tokens seqs[i][first[i] + 1:] (the logprobs
+    lps[i][first[i]:]), by `model.forward_backward`; returns the loss (detached, every rank)."""
+    n = sum(len(s) - 1 - f for s, f in zip(seqs, first))
+
+    def loss_fn(lps, index):
+        mine = torch.cat([lp[first[i]:] for lp, i in zip(lps, index)])
+        return -mine.sum() / n
+    return model.forward_backward(list(seqs), loss_fn, micro_batches=micro_batches).loss
+
+
+def lm_step(model, batch: torch.Tensor, micro_batches: int = 1) -> torch.Tensor:
+    """`lm_loss`'s forward + backward in `micro_batches` micro-batches (any PP degree)."""
+    return token_mean_step(model, list(batch.unbind(0)), [0] * batch.shape[0], micro_batches)
+
+
+def response_step(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                  micro_batches: int = 1) -> torch.Tensor:
+    """`response_loss`'s forward + backward in `micro_batches` micro-batches (any PP degree)."""
+    seqs = [torch.tensor(list(p) + list(r), dtype=torch.int64) for p, r in zip(prompts, responses)]
+    return token_mean_step(model, seqs, [len(p) - 1 for p in prompts], micro_batches)
 
 
 def dp_sum(x: torch.Tensor, groups) -> torch.Tensor:
@@ -70,8 +98,10 @@ def fit(trainer: Trainer, sampler, loss_fn: Callable[[Any], Tuple[torch.Tensor, 
     """Train until `steps` (or `stop_after`, as if interrupted there) and checkpoint.
 
     sampler: next_batch(), state_dict(), load_state_dict() (saved as the checkpoint's "data").
-    loss_fn(batch) -> (this rank's mean loss, tokens in the batch). resume: a checkpoint dir,
-    "latest", or None. Returns {"losses", "eval", "start", "step", "checkpoint", "metrics"}.
+    loss_fn(batch) -> (this rank's mean loss, tokens in the batch): a differentiable loss (fit
+    runs its backward) or, from a loss_fn that ran its own (`lm_step`, forward_backward), a
+    detached one. resume: a checkpoint dir, "latest", or None.
+    Returns {"losses", "eval", "start", "step", "checkpoint", "metrics"}.
     """
     from tqdm.auto import tqdm
     groups = trainer.groups
@@ -94,7 +124,8 @@ def fit(trainer: Trainer, sampler, loss_fn: Callable[[Any], Tuple[torch.Tensor, 
             batch = sampler.next_batch()
             trainer.zero_grad()
             loss, tokens = loss_fn(batch)
-            loss.backward()
+            if loss.requires_grad:
+                loss.backward()
             stats = trainer.step()
             dt = time.perf_counter() - t0
             n = step + 1

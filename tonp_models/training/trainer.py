@@ -22,10 +22,13 @@ from .optim import MasterWeights, build_optimizer, warmup_cosine
 
 
 def build_model(config, dtype: torch.dtype, groups, seed: int) -> Qwen3MoeForCausalLM:
-    """The model initialised from `seed`: each rank holds exactly its shard of the weights the
-    single-process model would draw (bad TP/EP layouts are refused with every reason listed)."""
+    """The model initialised from `seed`: each rank holds exactly its shard (and pipeline
+    stage) of the weights the single-process model would draw (bad layouts are refused with
+    every reason listed)."""
     if groups.world_size > 1:
-        tpar.validate_model_layout(config, tp=groups.tp_size, ep=groups.ep_size)
+        tpar.validate_model_layout(config, tp=groups.tp_size, ep=groups.ep_size,
+                                   pp=groups.pp_size, cp=groups.cp_size,
+                                   pp_layers=groups.pp_layers)
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config, dtype=dtype,
                                groups=groups if groups.world_size > 1 else None)
