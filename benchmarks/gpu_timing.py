@@ -125,13 +125,13 @@ def model_decode(sec) -> None:
     for batch in ((1, 16) if not sec.dry else (2,)):
         times = {"fast": [], "torch": []}
         with torch.no_grad():
-            with numerics("fast"):
+            with numerics(sec, "fast"):
                 fast = _decode_runner(model, batch, 128 if not sec.dry else 5, steps + 2)
             with tk.use("torch"):
                 stock = _decode_runner(model, batch, 128 if not sec.dry else 5, steps + 2)
             for i in range(steps + 2):
                 for name, run in (("fast", fast), ("torch", stock)):
-                    ctx = numerics("fast") if name == "fast" else tk.use("torch")
+                    ctx = numerics(sec, "fast") if name == "fast" else tk.use("torch")
                     with ctx:
                         times[name].append(_time_once(sec, run))
         if sec.dry:

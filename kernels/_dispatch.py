@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _mode, cpu, stock
+from . import _mode, invariant, stock
 
 
 def impl(op: str, *tensors):
@@ -13,9 +13,10 @@ def impl(op: str, *tensors):
 
     "torch" mode -> stock.<op> (stock torch ops, on any one device), where stock torch has one;
     tonp's own ops (seeded sampling, vocab-shard partials) have none and run their invariant
-    kernels in both modes. Invariant mode: CPU tensors -> cpu.<op> (the C++ kernels); other
-    devices -> an error naming the op and the devices. (An accelerator backend slots in here:
-    every tensor on one CUDA / NPU device -> its module's <op>.)
+    kernels in both modes. Invariant mode -> invariant.<op>, whose tonp ops run the C++ kernels
+    on CPU tensors and the Triton kernels on CUDA / NPU tensors (the dispatcher picks by
+    device); with backend "triton", CPU tensors run the Triton kernels too (interpreted).
+    All tensors must be on one device.
     """
     stock_op = getattr(stock, op, None) if _mode.get_mode() == "torch" else None
     try:
@@ -23,18 +24,30 @@ def impl(op: str, *tensors):
             if t is not None and not t.is_cpu:
                 break
         else:
-            return stock_op or getattr(cpu, op)
+            if stock_op is not None:
+                return stock_op
+            fn = getattr(invariant, op)
+            return fn if _mode.get_backend() == "auto" else _on_cpu(fn)
     except AttributeError:  # not a tensor: stock's checks name the argument
         if stock_op is not None:
             return stock_op
         bad = next(t for t in tensors if t is not None and not isinstance(t, torch.Tensor))
         raise TypeError(f"tonp.{op}: expected tensors, got {type(bad).__name__}") from None
     devices = sorted({str(t.device) for t in tensors if t is not None})
-    if stock_op is None:
-        why = ("the invariant kernels run on CPU tensors (tonp_kernels.use('torch') runs stock "
-               "ops on any one device)") if _mode.get_mode() == "invariant" else \
-            "no stock torch version: its CPU kernel runs in both modes"
-        raise NotImplementedError(f"tonp.{op}: {why}; got tensors on {', '.join(devices)}")
     if len(devices) > 1:
-        raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}")
-    return stock_op
+        raise RuntimeError(f"tonp.{op}: tensors on several devices: {', '.join(devices)}; "
+                           f"one call takes its tensors on one device (CPU, CUDA or NPU)")
+    if stock_op is not None:
+        return stock_op
+    from . import _accel
+    if next(t for t in tensors if t is not None).device.type in _accel.DEVICE_TYPES:
+        return getattr(invariant, op)
+    why = ("the invariant kernels run on CPU, CUDA and NPU tensors (tonp_kernels.use('torch') "
+           "runs stock ops on any one device)") if _mode.get_mode() == "invariant" else \
+        "no stock torch version: its invariant kernel runs in both modes"
+    raise NotImplementedError(f"tonp.{op}: {why}; got tensors on {devices[0]}")
+
+
+def _on_cpu(fn):
+    from . import _accel
+    return _accel.on_cpu(fn)

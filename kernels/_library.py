@@ -1,5 +1,6 @@
 """Loads the C++ extension, which defines `torch.ops.tonp.*` with its CPU kernels and C++
-autograd (csrc/), then registers the ops' fake implementations (_register.py). Without a build
+autograd (csrc/), then registers the ops' fake implementations (_register.py) and their Triton
+kernels for CUDA / NPU tensors (_accel.py). Without a build
 only the "torch" mode works; every invariant op raises ImportError saying how to build."""
 from __future__ import annotations
 
@@ -35,4 +36,4 @@ def isa() -> str:
 
 
 if C is not None:  # registrations need the ops defined by the extension
-    from . import _register  # noqa: F401
+    from . import _accel, _register  # noqa: F401  (fake kernels; Triton kernels for CUDA / NPU)

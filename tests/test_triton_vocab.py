@@ -3,10 +3,10 @@
 exp and log: a sweep of ~1.1M inputs (random bit patterns, denormals, +-0, +-inf, NaNs, 1, every
 power of two) through the Triton functions and through simd.h's vexp/sexp/vlog/slog (compiled
 here from the header, portable and AVX2 builds): identical bits, log within 1 ulp of float64.
-lse_partial's (max, sum) and max_with_index equal the C++ ops; the lse tree over vocab shards
-equals the one-call partial; token_logprobs and lse_finish equal the C++ (max, sum) finished
-with simd.h's log (the C++ ops still call std::log: docs/accelerators.md). Twins: torch.log,
-torch.max and a stock log-softmax give other bits.
+lse_partial's (max, sum), lse_finish, token_logprobs (both sides finish with the explicit log),
+max_with_index and argmax equal the C++ ops, with masked chunks, NaN-only chunks and -0 maxima;
+the lse tree over vocab shards equals the one-call partial. Twins: torch.log, torch.max and a
+stock log-softmax give other bits.
 """
 from __future__ import annotations
 
@@ -116,14 +116,20 @@ def test_exp_and_log_equal_simd_h_on_a_sweep(simd):
 
 
 def _logits(M, V, dtype, gen, chunks):
-    """Random logits with a chunk all -inf, a NaN, and a chunk whose max is a -0 before a +0."""
+    """Random logits with a chunk all -inf, a NaN, a chunk whose max is a -0 before a +0, and a
+    chunk of only NaN and -inf (its sum is NaN, the row's result NaN)."""
     x = randn(M, V, dtype=dtype, gen=gen, scale=4.0)
-    x[0, : V // chunks] = float("-inf")
+    vc = V // chunks
+    if chunks > 1:
+        x[0, :vc] = float("-inf")
     if M > 1:
         x[1, 3] = float("nan")
     if M > 2:
         x[2] = -x[2].abs() - 1
         x[2, 1], x[2, 2] = -0.0, 0.0
+    if M > 3 and chunks > 1:
+        x[3, vc:2 * vc] = float("-inf")
+        x[3, vc + vc // 2] = float("nan")
     return x
 
 
@@ -155,24 +161,34 @@ def test_lse_tree_over_vocab_shards_equals_the_one_call_partial(gen):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_token_logprobs_and_lse_finish_equal_the_cpp_parts_with_the_explicit_log(dtype, simd, gen):
-    """logit / T - (m + log(s)): the C++ (m, s), simd.h's slog, IEEE sub and add in torch."""
-    slog = next(iter(simd.values()))
+def test_token_logprobs_and_lse_finish_equal_cpp(dtype, gen):
+    """Both sides finish m + log(s) with the explicit log, so the fused rollout op and the
+    shards' finish agree bit for bit (NaN rows included, compared as bits)."""
     for V, C in CASES:
         for T in (1.0, 0.7):
-            x = _logits(4, V, dtype, gen, C)
-            t = torch.randint(0, V, (4,), generator=gen)
+            x = _logits(5, V, dtype, gen, C)
+            t = torch.randint(0, V, (5,), generator=gen)
+            assert_bitwise(bits(vocab.token_logprobs(x, t, T, C)),
+                           bits(torch.ops.tonp.token_logprobs(x, t, T, C)),
+                           f"token_logprobs V={V} C={C} T={T}")
             m, s = torch.ops.tonp.lse_partial(x, T, C)
-            log_s = torch.from_numpy(simd_call(slog, "slog_n", s.numpy()))
-            lse = torch.where(m == float("-inf"), m, m + log_s)
-            logit = x.float().gather(1, t[:, None])[:, 0]
-            want = (logit / T if T != 1.0 else logit) - lse
-            got = vocab.token_logprobs(x, t, T, C)
-            assert_bitwise(bits(got), bits(want), f"token_logprobs V={V} C={C} T={T}")
-            assert_bitwise(bits(vocab.lse_finish(m[None], s[None])), bits(lse), f"lse_finish V={V}")
+            P = 2 if V % 2 == 0 else 1
+            mp, sp = m.view(P, -1) if P == 1 else torch.stack([m, m]), \
+                s.view(P, -1) if P == 1 else torch.stack([s, s * 0.5])
+            assert_bitwise(bits(vocab.lse_finish(mp, sp)),
+                           bits(torch.ops.tonp.lse_finish(mp.contiguous(), sp.contiguous())),
+                           f"lse_finish V={V} P={P}")
+    x = randn(3, 64, dtype=dtype, gen=gen)
+    x[1] = float("-inf")
+    x[2, 5] = float("inf")
+    t = torch.zeros(3, dtype=torch.long)
+    for rows, rule in (([0, 1, 2], "row 1: every logit is -inf"), ([0, 2], "row 1: .*reach \\+inf")):
+        for op in (vocab.token_logprobs, torch.ops.tonp.token_logprobs):
+            with pytest.raises(ValueError, match=rule):
+                op(x[rows], t[:len(rows)], 1.0, 8)
     # The twin: a stock log-softmax gives other bits.
-    x = randn(8, 1000, gen=gen, scale=4.0)
-    t = torch.randint(0, 1000, (8,), generator=gen)
+    x = randn(64, 1000, gen=gen, scale=4.0)
+    t = torch.randint(0, 1000, (64,), generator=gen)
     stock = torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0]
     assert not torch.equal(stock, vocab.token_logprobs(x, t))
 
@@ -193,6 +209,11 @@ def test_max_with_index_equals_cpp(dtype, gen):
     rv, ri = torch.ops.tonp.max_with_index(x)
     assert_bitwise((bits(v), i), (bits(rv), ri), f"max_with_index {dtype}")
     assert not torch.equal(x.float().max(-1).indices, i)  # the twin: torch.max takes a NaN
+    ok = [0, 3, 4, 5]  # argmax: the same index where no NaN, refusal naming the first NaN row
+    assert_bitwise(vocab.argmax(x[ok]), torch.ops.tonp.argmax(x[ok]), f"argmax {dtype}")
+    for op in (vocab.argmax, torch.ops.tonp.argmax):
+        with pytest.raises(ValueError, match="row 1 holds a NaN logit"):
+            op(x[[0, 1, 2]])
 
 
 def test_bad_inputs_raise_clear_errors(gen):

@@ -12,7 +12,7 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
 from tonp_kernels.accel import (  # noqa: E402,F401
-    _launch, attention, linear, moe, numerics, rowwise, vocab)
+    _launch, attention, linear, moe, numerics, registry, rowwise, sample, vocab)
 
 if not _launch.INTERPRETED:
     raise ImportError("tonp_kernels.accel was imported before TRITON_INTERPRET=1 was set: its "

@@ -60,6 +60,7 @@ class GenerationOutput:
     """The rollouts, in the order of the prompts.
 
     sequences: int64 [prompt_len + n_new] per request (prompt then completion, eos included).
+        The tensors are on the model's device, like the training forward's logprobs.
     logprobs: fp32 [n_new] per request: the chosen token's log_softmax(logits / T) (T = 1 for
         greedy), the untruncated tempered distribution even when top-k / top-p restricted the draw.
     prompt_lengths, finish_reasons ("eos" | "stop" | "length") per request; stats for the call.
@@ -250,11 +251,21 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
                         strict=True, who="generate", lockstep_group=_lockstep(model, call))
         _run(engine, call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
+    dev = _device(model)
     return GenerationOutput(
-        sequences=[torch.tensor(r.tokens, dtype=torch.int64) for r in reqs],
-        logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in reqs],
+        sequences=[torch.tensor(r.tokens, dtype=torch.int64, device=dev) for r in reqs],
+        logprobs=[torch.tensor(r.logprobs, dtype=torch.float32, device=dev) for r in reqs],
         prompt_lengths=[r.prompt_len for r in reqs],
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
+
+
+def _device(model) -> torch.device:
+    """The model's device (where its forward's outputs are); the CPU for a stand-in that has
+    neither a device nor parameters (a wrapper of new_cache and __call__)."""
+    dev = getattr(model, "device", None)
+    if dev is None and hasattr(model, "parameters"):
+        dev = next(iter(model.parameters()), torch.empty(0)).device
+    return torch.device(dev or "cpu")
 
 
 def _lockstep(model, call: _Call):

@@ -16,7 +16,7 @@ sharding.py (Shard, parameter_shards), sequence.py (SequenceSplit: SP), context.
 (spawned local worlds). The design and its measurements: docs/parallelism.md.
 """
 from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all_gather_stacked,
-                          clear_workspace, group_rank, group_size, tree_all_reduce,
+                          clear_workspace, group_device, group_rank, group_size, tree_all_reduce,
                           tree_order_sum, tree_reduce_scatter)
 from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, init_parallel,
                      rank_layout)
@@ -34,7 +34,8 @@ __all__ = [
     "ContextSplit", "SequenceSplit", "enter_tp_region", "PipeComm", "StageFailed", "run_1f1b",
     "run_forward",
     "tree_all_reduce", "tree_reduce_scatter", "tree_order_sum", "all_gather_stacked",
-    "all_gather_along", "group_size", "group_rank", "SMALL_MESSAGE_BYTES", "ALGORITHMS",
+    "all_gather_along", "group_size", "group_rank", "group_device", "SMALL_MESSAGE_BYTES",
+    "ALGORITHMS",
     "clear_workspace",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
     "reduce_scatter_to_region", "all_gather_to_region", "gather_partials", "all_to_all",

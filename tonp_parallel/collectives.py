@@ -26,6 +26,7 @@ These functions are not differentiable; regions.py wraps them for autograd.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,6 +51,30 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device a collective over `group` carries tensors on: the current CUDA device for
+    NCCL, the current NPU for HCCL, the CPU otherwise (gloo; None = this rank alone)."""
+    backend = None if group is None else dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # registered by torch_npu
+    return torch.device("cpu")
+
+
+def _on_group_device(fn):
+    """fn(x, group, ...) for a CPU `x` on a group whose backend takes device tensors only (NCCL,
+    HCCL): x travels through group_device(group) and the result comes back to the CPU (bytes
+    only: the bits are the same). Small host-side messages (digests, counts, metrics) use it."""
+    @functools.wraps(fn)
+    def run(x, group, *args, **kwargs):
+        if group is not None and isinstance(x, torch.Tensor) and x.is_cpu and \
+                dist.get_backend(group) in ("nccl", "hccl"):
+            return fn(x.to(group_device(group)), group, *args, **kwargs).cpu()
+        return fn(x, group, *args, **kwargs)
+    return run
+
+
 def _check_partial(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tonp_parallel.{name}: expected a tensor, got {type(x).__name__}")
@@ -58,6 +83,7 @@ def _check_partial(name: str, x: torch.Tensor) -> None:
                         f"{x.dtype}; the contract sums partials in fp32 and rounds once after")
 
 
+@_on_group_device
 def all_gather_stacked(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Every rank's `x` stacked in group-rank order: x [...] -> [W, ...] (same on every rank)."""
     W = group_size(group)
@@ -85,6 +111,7 @@ def _equal_chunks(name: str, x: torch.Tensor, W: int, dim: int) -> List[torch.Te
     return list(x.chunk(W, dim))
 
 
+@_on_group_device
 def tree_all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                     algorithm: str = "auto") -> torch.Tensor:
     """Fixed-tree sum over the group of each rank's fp32 partial `x` -> same shape, same bits
@@ -151,6 +178,7 @@ def clear_workspace() -> None:
     _WORKSPACE.clear()
 
 
+@_on_group_device
 def tree_reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup],
                         dim: int = 0) -> torch.Tensor:
     """Rank r's 1/W slice along `dim` of the fixed-tree sum of every rank's fp32 partial `x`.

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .collectives import group_device
 from .layout import validate_model_layout
 
 Ranks = Tuple[int, ...]
@@ -160,6 +161,8 @@ class ParallelGroups:
                                    group in the norm and residual regions (no-op at tp 1)
       pp_layers                    layers per stage (None: as even as possible)
       rank, world_size             global rank and world size (0 and 1 when single-process)
+      device                       this rank's device: LOCAL_RANK's GPU / NPU under NCCL / HCCL,
+                                   else the CPU (the model, its cache and collectives live there)
     """
 
     tp_group: Optional[dist.ProcessGroup] = None
@@ -192,6 +195,7 @@ class ParallelGroups:
     rank: int = 0
     world_size: int = 1
     backend: Optional[str] = field(default=None, compare=False)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -243,6 +247,7 @@ class ParallelGroups:
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             backend=dist.get_backend(),
+            device=group_device(dist.group.WORLD),
         )
 
     def local_experts(self, num_experts: int) -> range:
@@ -335,7 +340,7 @@ def init_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, cp: int = 1, sp: boo
                    f"{kind}_size": pos[kind][1]})
     return ParallelGroups(**kw, model_group=mine["model"], sequence_parallel=sp,
                           pp_layers=layers, rank=rank, world_size=world,
-                          backend=dist.get_backend())
+                          backend=dist.get_backend(), device=group_device(dist.group.WORLD))
 
 
 def _as_timeout(timeout: Union[timedelta, float]) -> timedelta:

@@ -49,5 +49,20 @@ def launch(kernel, grid, *args, **meta) -> None:
     kernel[grid](*args, enable_fp_fusion=False, **meta)
 
 
+_ROW_ISSUES = {1: "holds a NaN logit",
+               2: "logits / temperature reach +inf (an infinite logit, or fp32 overflow at "
+                  "temperature={T!r}); its softmax is undefined",
+               3: "every logit is -inf; its softmax is undefined"}
+
+
+def raise_row_issue(op: str, issues: torch.Tensor, temperature: float) -> None:
+    """Refuse the lowest row whose issue code (int8 [M]: 1 NaN, 2 max +inf, 3 every logit -inf;
+    vocab_ops.cpp RowIssue) is set, with the C++ check_rows message. One device sync."""
+    if recorder is None and bool(issues.any()):
+        r = int(issues.nonzero()[0])
+        why = _ROW_ISSUES[int(issues[r])].format(T=temperature)
+        raise ValueError(f"tonp.{op}: row {r}{' ' if why.startswith('holds') else ': '}{why}")
+
+
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

@@ -23,21 +23,23 @@ from triton.compiler import ASTSource
 
 from . import _launch
 
-_PTR = {torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
+_PTR = {torch.float32: "*fp32", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32",
+        torch.int64: "*i64"}
 # Instructions whose results are not the correctly rounded IEEE ones (or flush denormals).
 _FORBIDDEN = re.compile(r"\.approx|\.ftz|\bdiv\.full|\b(?:add|sub|mul)\.f32\b")
 
 
 def record_launches() -> list:
     """(kernel, args, meta) of every launch the launchers make on small CPU inputs."""
-    from . import attention, linear, moe, rowwise, vocab
+    from . import attention, linear, moe, rowwise, sample, vocab
 
     _launch.recorder = calls = []
     try:
         g = torch.Generator().manual_seed(0)
         for dt in (torch.float32, torch.bfloat16):
             x = torch.randn(3, 32, generator=g).to(dt)
-            linear.linear(x, torch.randn(16, 32).to(dt), torch.randn(16), 2)
+            for pairs in (False, True):  # bf16 x bf16: FMA lanes or the pair chains
+                linear.linear(x, torch.randn(16, 32).to(dt), torch.randn(16), 2, pairs=pairs)
             linear.linear(x, torch.randn(16, 32), None, 2 if dt == torch.bfloat16 else 8,
                           torch.float32)
             rowwise.rms_norm(x, torch.randn(32), 1e-6)
@@ -53,11 +55,16 @@ def record_launches() -> list:
                                       0.25)
             moe.moe_route(x[:, :8], 2, True)
             moe.moe_experts(x, torch.tensor([[0, 1], [1, 2], [2, 0]]),
-                            torch.randn(3, 16, 32).to(dt), torch.randn(3, 32, 8).to(dt), 0, 2)
+                            torch.randn(3, 16, 32).to(dt), torch.randn(3, 32, 8).to(dt), 0, 2,
+                            pairs=dt == torch.bfloat16)
             for T in (1.0, 0.7):
                 vocab.lse_partial(x, T, 2)
                 vocab.token_logprobs(x, torch.tensor([0, 5, 31]), T, 2)
             vocab.max_with_index(x)
+            ids = torch.tensor([0, 5, 9])
+            for T, k, p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (0.7, 0, 0.9),
+                            (1.0, 3, 0.9)):
+                sample.sample(x, T, k, p, 2 ** 63 + 5, ids, ids)
         vocab.lse_finish(torch.randn(2, 3), torch.rand(2, 3))
     finally:
         _launch.recorder = None

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import numerics as nm
 from ._launch import check_device, float_dtype, launch, pow2
-from .linear import check_chunks, launch_linear
+from .linear import check_chunks, launch_linear, tiles_for
 from .rowwise import silu_mul_rows
 
 
@@ -97,9 +97,11 @@ def _expert_tiles(e: torch.Tensor, E: int, BM: int) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, first_expert: int = 0, chunks: int = 8) -> torch.Tensor:
+                down: torch.Tensor, first_expert: int = 0, chunks: int = 8, *,
+                pairs=None) -> torch.Tensor:
     """torch.ops.tonp.moe_experts's bits: x [M, H], expert_ids int64 [M, K], gate_up [E, 2I, H],
-    down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert ids[m, k] - first)."""
+    down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert ids[m, k] - first).
+    pairs: as linear's (the bf16 x bf16 pair chains forced on or off; None: as the C++ build)."""
     op = "moe_experts"
     if x.dim() != 2:
         raise ValueError(f"tonp.{op}: x must be [M, H], got {tuple(x.shape)}")
@@ -133,13 +135,13 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
         raise IndexError(f"tonp.{op}: expert id {int(expert_ids.reshape(-1)[bad][0])} is not "
                          f"one of this call's experts [{first_expert}, {first_expert + E})")
     order = torch.sort(e, stable=True).indices
-    BM = 16
+    BM = tiles_for(2 * I)[0]  # the linear's row tile (the table's tiles hold at most BM rows)
     tiles = _expert_tiles(e, E, BM)
     xg = x.contiguous()[order // Kk]  # [R, H] grouped by expert
     gu = torch.empty(R, 2 * I, dtype=x.dtype, device=x.device)
-    launch_linear(xg, gate_up.contiguous(), None, gu, chunks, tiles, 2 * I * H, (BM, 32))
+    launch_linear(xg, gate_up.contiguous(), None, gu, chunks, tiles, 2 * I * H, None, pairs)
     h = silu_mul_rows(gu[:, :I], gu[:, I:], torch.empty(R, I, dtype=x.dtype, device=x.device))
     ys = torch.empty(R, H, dtype=x.dtype, device=x.device)
-    launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, (BM, 32))
+    launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, None, pairs)
     y.view(R, H)[order] = ys
     return y

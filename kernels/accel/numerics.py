@@ -21,6 +21,7 @@ def _f32(bits: int) -> float:
 
 
 # fp32 constants by their bits: exactly the C++ float literals (named beside them).
+CANONICAL_NAN = tl.constexpr(_f32(0x7FC00000))
 LOG2E = tl.constexpr(_f32(0x3FB8AA3B))  # 1.44269504088896341f
 EXP_LO = tl.constexpr(_f32(0xC2AEAC50))  # -87.33654475f
 EXP_HI = tl.constexpr(88.0)
@@ -120,9 +121,10 @@ def bf16_to_f32(h):
 
 @triton.jit
 def _rne_bits(x):
-    """fp32 -> its bf16 rounding as the top 16 bits of a uint32 (f32_to_bf16: NaN -> 0x7fc0)."""
-    b = x.to(tl.uint32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    """fp32 -> its bf16 rounding as the top 16 bits of an int32 (f32_to_bf16: NaN -> 0x7fc0).
+    Signed integers only (triton-ascend documents no unsigned ones); the adds wrap as uint32's."""
+    b = x.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # & 0xffff0000
     return tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, r)
 
 

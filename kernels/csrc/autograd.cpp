@@ -207,7 +207,7 @@ Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
   return MoeCombineFn::apply(w, y);
 }
 
-// The backward of moe_experts (CPU kernel of tonp::moe_experts_backward): per expert, in fp32,
+// The backward of moe_experts (tonp::moe_experts_backward, for CPU and accelerator tensors): per expert, in fp32,
 // recomputing gate_up (one GEMM) rather than keeping [rows, 2I] alive. Weight gradients are
 // written expert by expert into tensors of the weights' dtype (an fp32 [E, 2I, H] scratch would
 // be gigabytes at 128 experts); experts without rows get zeros. Unwanted gradients come back
@@ -219,7 +219,7 @@ std::tuple<Tensor, Tensor, Tensor> moe_experts_backward(const Tensor& grad, cons
   const Tensor xf = x.to(at::kFloat), gy = grad.to(at::kFloat).reshape({-1, H});
   const Tensor flat = ids.reshape({-1}) - first;
   const Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
-  const Tensor count_t = at::bincount(flat, {}, E);
+  const Tensor count_t = at::bincount(flat, {}, E).to(at::kCPU);  // read on the host, whatever the device
   const int64_t* counts = count_t.data_ptr<int64_t>();
   Tensor gx = want[0] ? at::zeros_like(xf) : Tensor();
   Tensor ggu = want[1] ? at::empty(gate_up.sizes(), gate_up.options()) : Tensor();
@@ -316,7 +316,7 @@ Tensor rope_ad(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tens
 Tensor attention_math(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens, double scale) {
   const Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat);
   Tensor out = at::empty_like(qf);
-  const Tensor cu = cu_seqlens.to(at::kLong).contiguous();
+  const Tensor cu = cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // offsets read on the host
   const int64_t* c = cu.data_ptr<int64_t>();
   for (int64_t s = 0; s + 1 < cu.numel(); ++s) {
     if (c[s + 1] <= c[s]) continue;
@@ -376,5 +376,8 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) { m.impl("moe_experts_backward", &moe_experts_backward); }
+// The same torch math on accelerator tensors (the forward there is the Triton kernel).
+TORCH_LIBRARY_IMPL(tonp, CUDA, m) { m.impl("moe_experts_backward", &moe_experts_backward); }
+TORCH_LIBRARY_IMPL(tonp, PrivateUse1, m) { m.impl("moe_experts_backward", &moe_experts_backward); }
 
 }  // namespace tonp

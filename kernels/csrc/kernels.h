@@ -67,6 +67,9 @@ struct Kernels {
                      float* s);
   void (*moe_combine)(const float* w, const void* y, void* out, int64_t K, int64_t H, Elem e);
   float (*exp)(float x);
+  // y[i] = log(x[i]) for n floats: tonp's one log (simd.h vlog; the tail through slog, the same
+  // lane arithmetic), shared by logsumexp and the sampling noise.
+  void (*log_n)(const float* x, float* y, int64_t n);
 };
 
 const Kernels* kernels_avx2();

@@ -467,6 +467,13 @@ static void moe_combine(const float* w, const void* y, void* out, int64_t K, int
   }
 }
 
+// log of n floats: vlog on whole vectors, slog (the same lane arithmetic) on the tail.
+static void log_n(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vstore(y + i, vlog(vload(x + i)));
+  for (; i < n; ++i) y[i] = slog(x[i]);
+}
+
 static const tonp::Kernels kTable = {
-    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
+    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp, log_n,
 };

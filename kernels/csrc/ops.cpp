@@ -134,6 +134,21 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                     " key-value heads");
 }
 
+// The attention's fp32 result in q's dtype, rounded as every kernel output is: nearest even,
+// NaN -> 0x7fc0 (simd.h f32_to_bf16; torch's .to() keeps a NaN's sign and payload, 0xffc0 for
+// the x86 default NaN, and a GPU's conversion makes 0x7fff).
+at::Tensor round_out(const at::Tensor& out, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return out;
+  at::Tensor r = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
+  const uint32_t* src = static_cast<const uint32_t*>(out.data_ptr());
+  uint16_t* dst = static_cast<uint16_t*>(r.data_ptr());
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) {
+    const uint32_t b = src[i];
+    dst[i] = (b & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  }
+  return r;
+}
+
 size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
   return size_t(G * ((block + 7) / 8 * 8) + G * D + 3 * G);
 }
@@ -180,7 +195,7 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
       kern->attention(a, int(G), int(D), int(block), kv, float(scale), scratch.get());
     }
   });
-  return out.to(q_.scalar_type());
+  return round_out(out, q_.scalar_type());
 }
 
 at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at::Tensor& vc_, const at::Tensor& pt_,
@@ -236,7 +251,7 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
       kern->attention(a, int(G), int(D), int(B), kv, float(scale), scratch.get());
     }
   });
-  return out.to(q_.scalar_type());
+  return round_out(out, q_.scalar_type());
 }
 
 // RoPE (rotate-half, HF's default): out = x * cos + rotate_half(x) * sin at each row's position,

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kernels.h"
@@ -32,8 +34,25 @@ void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
     }
 }
 
-// logsumexp from the finished (max, sum) pair: -inf for a masked row (sum 0), NaN for a NaN one.
-inline float lse_value(float m, float s) { return m == -INFINITY && s == 0.f ? -INFINITY : m + std::log(s); }
+// logsumexp from the finished (max, sum) pair: m + log(s) with tonp's log (simd.h vlog, the
+// Triton kernels' numerics.log: the same bits on every device); -inf for a masked row (sum 0),
+// NaN for a NaN one.
+inline float lse_value(float m, float s, const Kernels* kern) {
+  if (m == -INFINITY && s == 0.f) return -INFINITY;
+  float log_s;
+  kern->log_n(&s, &log_s, 1);
+  return m + log_s;
+}
+
+// A row's (max, sum) of x / T: the chunk partials, each chunk max made +0 if it is -0 (so that no
+// output depends on which of equal maxima a scan met first: any max order gives these bits),
+// finished by the pairwise tree. mc, sc: `chunks` floats of scratch.
+inline void row_partial(const char* row, int64_t V, Elem e, float T, int64_t chunks, float* mc, float* sc,
+                        const Kernels* kern) {
+  kern->lse_chunks(row, V, e, T, int(chunks), mc, sc);
+  for (int64_t c = 0; c < chunks; ++c) mc[c] = mc[c] + 0.f;
+  lse_tree(mc, sc, chunks, kern);
+}
 
 std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temperature, int64_t chunks) {
   TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.lse_partial: logits must be [M, V], got ", x_.sizes());
@@ -50,8 +69,7 @@ std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temp
   at::parallel_for(0, M, grain_for(16 * V), [&](int64_t b, int64_t en) {
     std::vector<float> mc(chunks), sc(chunks);
     for (int64_t r = b; r < en; ++r) {
-      kern->lse_chunks(xp + r * V * esz, V, e, float(temperature), int(chunks), mc.data(), sc.data());
-      lse_tree(mc.data(), sc.data(), chunks, kern);
+      row_partial(xp + r * V * esz, V, e, float(temperature), chunks, mc.data(), sc.data(), kern);
       m.data_ptr<float>()[r] = mc[0];
       s.data_ptr<float>()[r] = sc[0];
     }
@@ -73,7 +91,7 @@ at::Tensor lse_finish(const at::Tensor& maxes_, const at::Tensor& sums_) {
     std::copy_n(mt.data_ptr<float>() + r * P, P, mc.data());
     std::copy_n(st.data_ptr<float>() + r * P, P, sc.data());
     lse_tree(mc.data(), sc.data(), P, kern);
-    out.data_ptr<float>()[r] = lse_value(mc[0], sc[0]);
+    out.data_ptr<float>()[r] = lse_value(mc[0], sc[0], kern);
   }
   return out;
 }
@@ -105,14 +123,13 @@ at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double tem
     std::vector<float> mc(chunks), sc(chunks);
     for (int64_t r = b; r < en; ++r) {
       const char* row = xp + r * V * esz;
-      kern->lse_chunks(row, V, e, T, int(chunks), mc.data(), sc.data());
-      lse_tree(mc.data(), sc.data(), chunks, kern);
+      row_partial(row, V, e, T, chunks, mc.data(), sc.data(), kern);
       issues[r] = row_issue(mc[0], sc[0]);
       const float logit = e == Elem::F32 ? reinterpret_cast<const float*>(row)[tp[r]]
                                          : float(c10::BFloat16(reinterpret_cast<const uint16_t*>(row)[tp[r]],
                                                                c10::BFloat16::from_bits()));
       const float scaled = temperature != 1.0 ? logit / T : logit;
-      op[r] = scaled - lse_value(mc[0], sc[0]);
+      op[r] = scaled - lse_value(mc[0], sc[0], kern);
     }
   });
   check_rows(issues, "token_logprobs", temperature);
@@ -164,6 +181,79 @@ inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// --- seeded sampling (CONTRACT.md "sample"; tonp_kernels/accel/sample.py is its Triton twin) ---
+// The rank of a token: (y descending, id ascending) as one integer, larger = earlier. y's bits
+// are mapped to an order-preserving integer (-0 read as +0).
+inline uint64_t rank_key(float y, int64_t i) {
+  const float z = y + 0.f;
+  uint32_t b;
+  std::memcpy(&b, &z, 4);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (uint64_t(b) << 32) | uint64_t(0xffffffffu - uint32_t(i));
+}
+
+// The integer probability mass of a token for top-p: trunc(exp(y - ymax) * 2^32) (tonp's exp).
+inline int64_t top_p_mass(float y, float ymax, const Kernels* kern) {
+  return int64_t(kern->exp(y - ymax) * 4294967296.0f);
+}
+
+// The kept set of top-k / top-p as a rank cut: token i is kept iff rank_key(y_i, i) >= the cut.
+// top-k: the k highest ranks. top-p: of those, the shortest prefix in rank order whose integer
+// mass reaches ceil(p24 * Q / 2^24), Q the mass of the top-k set, p24 = ceil(top_p * 2^24).
+// Integer sums are associative: any device and any order find the same cut.
+uint64_t kept_cut(const float* y, int64_t V, float ymax, int64_t top_k, double top_p, const Kernels* kern,
+                  std::vector<uint64_t>& key, std::vector<std::pair<uint64_t, int64_t>>& ranked) {
+  for (int64_t i = 0; i < V; ++i) key[i] = rank_key(y[i], i);
+  uint64_t cut = 0;
+  if (top_k > 0 && top_k < V) {
+    ranked.clear();
+    for (int64_t i = 0; i < V; ++i) ranked.emplace_back(key[i], 0);
+    std::nth_element(ranked.begin(), ranked.begin() + (top_k - 1), ranked.end(), std::greater<>());
+    cut = ranked[top_k - 1].first;
+  }
+  if (top_p < 1.0) {
+    ranked.clear();  // the top-k set's tokens of positive mass (zero-mass ones rank after them)
+    int64_t Q = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      const int64_t q = key[i] >= cut ? top_p_mass(y[i], ymax, kern) : 0;
+      if (q > 0) ranked.emplace_back(key[i], q);
+      Q += q;
+    }
+    std::sort(ranked.begin(), ranked.end(), std::greater<>());
+    const int64_t p24 = int64_t(std::ceil(top_p * 16777216.0));
+    const int64_t need = p24 * (Q >> 24) + ((p24 * (Q & 0xffffff) + 0xffffff) >> 24);
+    int64_t S = 0;
+    for (const auto& [k, q] : ranked)
+      if ((S += q) >= need) {
+        cut = k;
+        break;
+      }
+  }
+  return cut;
+}
+
+// The Gumbel-max scores y_i - log(E_i) of tokens ids[0..n) (E: the exponential variate of the
+// token's hash, CONTRACT.md "sample"), in fp32 with tonp's log; a, w, e: n floats of scratch.
+void gumbel_scores(const float* y, const int64_t* ids, int64_t n, uint64_t key, const Kernels* kern, float* a, float* w,
+                   float* e, float* score) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t h = splitmix64(key ^ uint64_t(ids[j]));
+    const float hi = float(int32_t((h >> 32) & 0x7fffffffu)), lo = float(int32_t(((h >> 1) & 0x7fffffffu) | 1u));
+    w[j] = (hi * 0x1p-31f + lo * 0x1p-62f) * 0.5f;  // in [2^-63, 1/2]: fine near 0
+    a[j] = (h >> 63) ? w[j] : 1.0f - w[j];          // upper half: 1 - U = w; lower: U = w
+  }
+  kern->log_n(a, e, n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t h = splitmix64(key ^ uint64_t(ids[j]));
+    if (h >> 63)
+      e[j] = 0.0f - e[j];  // -log(w)
+    else  // -log1p(-w) by Goldberg's formula: log(u) * w / (u - 1), u = 1 - w
+      e[j] = a[j] == 1.0f ? w[j] : (e[j] * w[j]) / (a[j] - 1.0f);
+  }
+  kern->log_n(e, a, n);
+  for (int64_t j = 0; j < n; ++j) score[j] = y[ids[j]] - a[j];
+}
+
 // Seeded sampling: Gumbel-max over the kept tokens, noise = hash(seed, request, position, token);
 // temperature 0 is greedy (the lowest index of the max). seed: all 64 bits (as int64).
 at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, double top_p, int64_t seed,
@@ -177,14 +267,17 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
   const int64_t M = x.size(0), V = x.size(1);
   TORCH_CHECK_VALUE(req.dim() == 1 && pos.dim() == 1 && req.numel() == M && pos.numel() == M,
                     "tonp.sample: request_ids and positions must be [", M, "], got ", req.sizes(), " and ", pos.sizes());
+  TORCH_CHECK_VALUE(V < (int64_t(1) << 31), "tonp.sample: the vocabulary must be below 2**31 tokens, got ", V);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   const float T = float(temperature);
   const Kernels* kern = K();
   std::vector<int8_t> issues(M, kRowOk);
   at::parallel_for(0, M, grain_for(64 * V), [&](int64_t b, int64_t en) {
-    std::vector<float> y(temperature == 0.0 ? 0 : V);
-    std::vector<int64_t> order(V);
-    std::vector<char> keep(V);
+    const int64_t n = temperature == 0.0 ? 0 : V;
+    std::vector<float> y(n), a(n), w(n), e(n), score(n);
+    std::vector<int64_t> ids(n);
+    std::vector<uint64_t> key(n);
+    std::vector<std::pair<uint64_t, int64_t>> ranked;
     for (int64_t r = b; r < en; ++r) {
       const float* row = x.data_ptr<float>() + r * V;
       if (temperature == 0.0) {
@@ -200,40 +293,18 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
       }
       issues[r] = nan ? kRowNan : row_issue(ymax, 0.f);
       if (issues[r] != kRowOk) continue;
-      std::fill(keep.begin(), keep.end(), 1);
-      const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.0;
-      if (use_k || use_p) {
-        for (int64_t i = 0; i < V; ++i) order[i] = i;
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return y[a] > y[c]; });
-        int64_t kept = use_k ? top_k : V;
-        if (use_p) {  // smallest prefix (of the top-k) whose probability mass reaches top_p
-          const float mx = y[order[0]];
-          float z = 0.f;
-          for (int64_t i = 0; i < kept; ++i) z = z + kern->exp(y[order[i]] - mx);
-          float cum = 0.f;
-          int64_t n = 0;
-          while (n < kept) {
-            cum = cum + kern->exp(y[order[n]] - mx) / z;
-            ++n;
-            if (cum >= float(top_p)) break;
-          }
-          kept = n;
-        }
-        std::fill(keep.begin(), keep.end(), 0);
-        for (int64_t i = 0; i < kept; ++i) keep[order[i]] = 1;
-      }
+      const bool filtered = (top_k > 0 && top_k < V) || top_p < 1.0;
+      const uint64_t cut = filtered ? kept_cut(y.data(), V, ymax, top_k, top_p, kern, key, ranked) : 0;
+      int64_t kept = 0;
+      for (int64_t i = 0; i < V; ++i)
+        if (y[i] != -INFINITY && (!filtered || key[i] >= cut)) ids[kept++] = i;
       const uint64_t base = splitmix64(splitmix64(uint64_t(seed)) ^ splitmix64(uint64_t(req.data_ptr<int64_t>()[r]) + 0x5851f42d4c957f2dull));
-      const uint64_t key = splitmix64(base ^ splitmix64(uint64_t(pos.data_ptr<int64_t>()[r]) * 0x2545f4914f6cdd1dull));
-      int64_t best = -1;
-      double best_score = -INFINITY;
-      for (int64_t i = 0; i < V; ++i) {
-        if (!keep[i] || y[i] == -INFINITY) continue;
-        const uint64_t h = splitmix64(key ^ uint64_t(i));
-        const double u = (double(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // (0, 1)
-        const double score = double(y[i]) - std::log(-std::log(u));
-        if (best < 0 || score > best_score) best = i, best_score = score;
-      }
-      out.data_ptr<int64_t>()[r] = best;  // a kept finite token exists: the row's max is one
+      const uint64_t rkey = splitmix64(base ^ splitmix64(uint64_t(pos.data_ptr<int64_t>()[r]) * 0x2545f4914f6cdd1dull));
+      gumbel_scores(y.data(), ids.data(), kept, rkey, kern, a.data(), w.data(), e.data(), score.data());
+      int64_t best = 0;  // ids ascend: a strict > keeps the lowest id among equal scores
+      for (int64_t j = 1; j < kept; ++j)
+        if (score[j] > score[best]) best = j;
+      out.data_ptr<int64_t>()[r] = ids[best];  // a kept finite token exists: the row's max is one
     }
   });
   check_rows(issues, "sample", temperature);

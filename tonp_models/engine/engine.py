@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from tonp_parallel import group_device
+
 from ..layers import CacheFullError
 from .prefix_cache import PrefixCache
 from .request import EngineStats, Request, StepOutput
@@ -147,7 +149,8 @@ class Engine:
         busy = self.has_work
         if self.lockstep_group is None:
             return not busy
-        flag = torch.tensor([int(busy)], dtype=torch.int64)
+        flag = torch.tensor([int(busy)], dtype=torch.int64,
+                            device=group_device(self.lockstep_group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
         return not flag.item()
 

@@ -21,6 +21,11 @@ Pick = Tuple[Optional[int], Optional[float], Optional[List[Tuple[int, float]]],
              Optional[Exception]]
 
 
+def _index(values: List[int], like: torch.Tensor) -> torch.Tensor:
+    """int64 values on `like`'s device (the logits'; the kernels take one device)."""
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+
 def non_finite_error(who: str, logits: torch.Tensor, rows: List[Request]
                      ) -> Optional[Tuple[int, Exception]]:
     """(row, RuntimeError naming the first non-finite logit) or None: one reduction when all
@@ -71,13 +76,13 @@ def pick(who: str, logits: torch.Tensor, rows: List[Request]) -> List[Pick]:
             idx = _drop_overflows(who, logits, rows, idx, temperature, out)
             if not idx:
                 continue
-        sub = logits if len(idx) == len(rows) else logits.index_select(0, torch.tensor(idx))
+        sub = logits if len(idx) == len(rows) else logits.index_select(0, _index(idx, logits))
         group = [rows[i] for i in idx]
         if temperature == 0:
             chosen = tk.argmax(sub)
         else:
-            ids = torch.tensor([r.noise_key for r in group], dtype=torch.int64)
-            pos = torch.tensor([len(r.tokens) for r in group], dtype=torch.int64)  # new token's
+            ids = _index([r.noise_key for r in group], sub)
+            pos = _index([len(r.tokens) for r in group], sub)                      # new token's
             # top_k >= V restricts nothing: the kernel takes it as V (and V fits its int64).
             chosen = tk.sample(sub, temperature=temperature, seed=seed, request_ids=ids,
                                positions=pos, top_k=top_k and min(top_k, sub.shape[-1]),
@@ -95,7 +100,7 @@ def _drop_overflows(who: str, logits: torch.Tensor, rows: List[Request], idx: Li
                     temperature: float, out: List[Pick]) -> List[int]:
     """The rows of idx whose logits / temperature stay finite in fp32; the others get the
     overflow error (division is monotonic: a row overflows iff its largest |logit| does)."""
-    sub = logits.index_select(0, torch.tensor(idx))
+    sub = logits.index_select(0, _index(idx, logits))
     big = sub.abs().amax(-1)                                                       # (n,) fp32
     over = torch.isinf(big / temperature).tolist()
     for j, i in enumerate(idx):
@@ -112,7 +117,7 @@ def _top_logprobs(logits: torch.Tensor, rows: List[Request], T: float
     if k == 0:
         return [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.top_logprobs]
-    lsm = tk.log_softmax(logits.index_select(0, torch.tensor(want)), temperature=T)
+    lsm = tk.log_softmax(logits.index_select(0, _index(want, logits)), temperature=T)
     vals, ids = torch.sort(lsm, dim=-1, descending=True, stable=True)
     out: List[Optional[List[Tuple[int, float]]]] = [None] * len(rows)
     for j, i in enumerate(want):

@@ -95,7 +95,7 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_idx, step, k, v)
             o = tk.attention_paged(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                   cache.page_table, step.q_seq, step.positions,
+                                   step.page_table, step.q_seq, step.positions,
                                    scale=self.scale)
         if probing():
             self._probe(k, v, o, cache, step)
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         shard = 1 if self.q_proj.tp_size > 1 else None
         if cache is not None:
             B, pos = cache.page_size, step.positions
-            rows = cache.page_table.long()[step.q_seq.long(), pos // B] * B + pos % B  # (T,)
+            rows = step.page_table.long()[step.q_seq.long(), pos // B] * B + pos % B   # (T,)
             k = cache.k[self.layer_idx].flatten(0, 1).index_select(0, rows)        # (T, Hkv, D)
             v = cache.v[self.layer_idx].flatten(0, 1).index_select(0, rows)
         probe("k", k, shard_dim=shard)

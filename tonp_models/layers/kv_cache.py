@@ -29,12 +29,15 @@ class CacheStep:
     """Metadata of one forward over a cache: T new tokens of S sequences (in call order).
 
     slots [S] cache slots; counts [S] new tokens each; positions [T] int64 absolute positions;
-    q_seq [T] int32 slot of each token; slot_mapping [T] int64 flat row (page * B + offset)."""
+    q_seq [T] int32 slot of each token; slot_mapping [T] int64 flat row (page * B + offset);
+    page_table int32 [max_seqs, max_pages] as of this step. The tensors are on the cache's device
+    (one host-to-device copy each per step; the cache keeps its page table on the host)."""
     slots: List[int]
     counts: List[int]
     positions: torch.Tensor
     q_seq: torch.Tensor
     slot_mapping: torch.Tensor
+    page_table: torch.Tensor
 
 
 class PagedKVCache:
@@ -48,6 +51,8 @@ class PagedKVCache:
         num_pages: pages shared by all sequences.
         max_seqs: sequence slots; max_seq_len: positions a sequence may reach.
         dtype: the activation dtype (K after RoPE and QK-norm and V, as the full pass uses them).
+        device: where the pages live (the model's device); the page table and the bookkeeping
+            stay on the host, and each step's metadata is copied to the device (CacheStep).
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page_size: int,
@@ -56,6 +61,7 @@ class PagedKVCache:
         if page_size < 1 or num_pages < 1 or max_seqs < 1 or max_seq_len < 1:
             raise ValueError("PagedKVCache: sizes must be positive")
         self.page_size, self.num_pages, self.max_seq_len = page_size, num_pages, max_seq_len
+        self.device = torch.device(device)
         self.layers = tuple(range(num_layers) if layers is None else layers)
         held = set(self.layers)
 
@@ -213,9 +219,12 @@ class PagedKVCache:
             positions.extend(range(start, start + n))
             q_seq.extend([s] * n)
             rows.extend(pages[p // B] * B + p % B for p in range(start, start + n))
-        return CacheStep(list(slots), list(counts), torch.tensor(positions, dtype=torch.int64),
-                         torch.tensor(q_seq, dtype=torch.int32),
-                         torch.tensor(rows, dtype=torch.int64))
+        dev = self.device
+        return CacheStep(list(slots), list(counts),
+                         torch.tensor(positions, dtype=torch.int64, device=dev),
+                         torch.tensor(q_seq, dtype=torch.int32, device=dev),
+                         torch.tensor(rows, dtype=torch.int64, device=dev),
+                         self.page_table.to(dev, copy=dev.type != "cpu"))
 
     def write(self, layer: int, step: CacheStep, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's K/V [T, kv_heads, head_dim] (exact copies) for one layer."""

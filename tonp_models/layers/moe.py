@@ -117,7 +117,8 @@ class SparseMoeBlock(nn.Module):
         if probing():
             R, J = ids.shape
             probe("experts", y.reshape(R * J, x.shape[1]),
-                  rows=torch.arange(R).repeat_interleave(J), experts=ids.reshape(-1),
+                  rows=torch.arange(R, device=ids.device).repeat_interleave(J),
+                  experts=ids.reshape(-1),
                   received=received)
         return y
 
@@ -153,7 +154,7 @@ class SparseMoeBlock(nn.Module):
         y = y_rows.index_select(0, _inverse(order)).view(n, K, x.shape[1])         # (n, K, H)
         out = tk.moe_combine(weights, y)                                           # (n, H)
         if probing():  # this rank's share of the tokens (rows split over TP ranks when P > 1)
-            probe("combine", out, rows=torch.arange(start, start + n),
+            probe("combine", out, rows=torch.arange(start, start + n, device=out.device),
                   shard_dim=0 if P > 1 else None)
         return gather_rows_from_region(out, tp, M, P)                              # (M, H)
 

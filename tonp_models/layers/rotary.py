@@ -26,14 +26,16 @@ class RotaryEmbedding(nn.Module):
         self.reset_tables()
 
     def reset_tables(self) -> None:
-        """(Re)compute the tables, e.g. after building on the meta device."""
-        head_dim, theta = self.head_dim, self.theta
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                    / head_dim))                                   # (D/2,)
-        pos = torch.arange(self.max_positions, dtype=torch.int64).float()
+        """(Re)compute the tables, e.g. after building on the meta device. Always on the CPU
+        (a GPU's cos / sin round differently), then moved to the buffers' device: the tables,
+        hence every rotation, have the same bits on every device."""
+        head_dim, theta, cpu = self.head_dim, self.theta, torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                 device=cpu).float() / head_dim))  # (D/2,)
+        pos = torch.arange(self.max_positions, dtype=torch.int64, device=cpu).float()
         freqs = pos[:, None] * inv_freq[None, :]                                   # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)                                    # (P, D)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos().to(self.cos.device), emb.sin().to(self.sin.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], positions int [T] -> rotated (q, k) in their dtype."""

@@ -120,26 +120,31 @@ class Qwen3MoeForCausalLM(nn.Module):
     def pipelined(self) -> bool:
         return getattr(self.groups, "pp_size", 1) > 1
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's weights live; the index tensors of a forward follow them."""
+        return next(self.parameters()).device
+
     def reset_parameters(self) -> None:
         """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0.
         A sharded matrix draws the full tensor and keeps its shard, and a pipeline stage draws
         (and drops) the other stages' tensors in their turn, so the RNG stream (and every
-        weight) is the one-process model's."""
+        weight) is the one-process model's. Draws come from the CPU generator whatever the
+        device, so a model built on a GPU holds the CPU-built model's weights; a model on the
+        meta device (from_pretrained) draws nothing."""
         shards, mine = self.parameter_shards(), dict(self.named_parameters())
-        device = next(self.parameters()).device
+        draw = not self.device.type == "meta"
         with torch.no_grad():
             for name, shape in self._full_shapes():
                 p = mine.get(name)
                 if name.endswith("norm.weight") or name.endswith("bias"):
                     if p is not None:
                         p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                elif p is not None and name not in shards:
-                    p.normal_(0.0, self.config.initializer_range)
-                else:
-                    full = torch.empty(shape, dtype=self.dtype, device=device)
+                elif draw:
+                    full = torch.empty(shape, dtype=self.dtype if p is None else p.dtype)
                     full.normal_(0.0, self.config.initializer_range)
                     if p is not None:
-                        p.copy_(shards[name].take(full))
+                        p.copy_(shards[name].take(full) if name in shards else full)
 
     def _full_shapes(self):
         """[(name, full shape)] of the one-process model's parameters, in its order."""
@@ -180,14 +185,15 @@ class Qwen3MoeForCausalLM(nn.Module):
         `pipeline_micro_batches` micro-batches that are in flight together); there, autograd
         does not cross stages: run it under torch.no_grad() and train with forward_backward.
         """
-        ids = int_tensor(input_ids, "input_ids")
+        dev = self.device                           # index tensors follow the weights
+        ids = int_tensor(input_ids, "input_ids").to(dev)
         if ids.dim() == 2:
             if cu_seqlens is not None or logits_rows is not None or return_hidden:
                 raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
                                  "attention_mask, not cu_seqlens/logits_rows/return_hidden")
-            mask = mask_of(attention_mask, ids)
+            mask = mask_of(attention_mask, ids).to(dev)
             counts = mask.sum(1)
-            cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+            cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=dev)
             cu[1:] = torch.cumsum(counts, 0)
             packed = self.forward(ids[mask], cu, cache=cache, cache_slots=cache_slots)
             out = packed.new_zeros(*ids.shape, packed.shape[-1])
@@ -204,7 +210,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         cu, bounds = bounds_of(cu_seqlens, T)
         self._check_ids(ids)
         if logits_rows is not None:
-            logits_rows = rows_of(logits_rows, T)
+            logits_rows = rows_of(logits_rows, T).to(dev)
         if cache is not None:
             self._check_cache(cache)
             slots = list(range(len(bounds) - 1)) if cache_slots is None else \
@@ -230,6 +236,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         as a list): its rows (ids, positions), how attention reads keys (cu_seqlens, the cache
         step, or the CP split) and the SP split. Under a cache this prepares the cache step."""
         attn: dict = {}
+        dev = ids.device
         if cache is not None:
             counts = [b - a for a, b in zip(bounds, bounds[1:])]
             attn["step"] = cache.prepare(slots, counts)
@@ -237,10 +244,11 @@ class Qwen3MoeForCausalLM(nn.Module):
             local, positions = ids, attn["step"].positions
         elif getattr(self.groups, "cp_size", 1) > 1:
             split = attn["cp"] = ContextSplit(bounds, self.groups.cp_group)
-            local, positions = ids.index_select(0, split.rows), split.positions[split.rows]
+            rows = split.rows.to(dev)
+            local, positions = ids.index_select(0, rows), split.positions.to(dev)[rows]
         else:
-            attn["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
-            local, positions = ids, positions_of(bounds)
+            attn["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=dev)
+            local, positions = ids, positions_of(bounds).to(dev)
         sp = SequenceSplit(self.groups.tp_group, len(local)) if self.sequence_parallel else None
         return dict(ids=local, positions=positions, sp=sp, attn=attn, bounds=bounds, cache=cache)
 

@@ -31,12 +31,12 @@ def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], cache, slots:
     S, T = len(bounds) - 1, bounds[-1]
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
     groups = micro_batch_bounds(counts, min(model.pipeline_micro_batches, max(S, 1)))
-    rows = torch.arange(T) if logits_rows is None else logits_rows
+    rows = torch.arange(T) if logits_rows is None else logits_rows.cpu()  # host bookkeeping
     starts = torch.tensor([bounds[g.start] for g in groups[1:]], dtype=torch.int64)
     part = torch.bucketize(rows, starts, right=True)                    # micro-batch of each row
     order = torch.argsort(part, stable=True)
-    parts = [rows.index_select(0, order[part.index_select(0, order) == m]) - bounds[g.start]
-             for m, g in enumerate(groups)]
+    parts = [(rows.index_select(0, order[part.index_select(0, order) == m]) - bounds[g.start])
+             .to(model.device) for m, g in enumerate(groups)]
     ctxs: dict = {}
 
     def context(m):
@@ -72,7 +72,7 @@ def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], cache, slots:
     out = None
     if comm.is_last:
         out = torch.empty((len(rows), width), dtype=dtype, device=outs[0].device)
-        out[order] = torch.cat(outs)
+        out[order.to(out.device)] = torch.cat(outs)
     return comm.from_last(out, (len(rows), width), dtype)
 
 

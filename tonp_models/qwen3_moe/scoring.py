@@ -65,8 +65,8 @@ class _Plan:
         bounds = [0]
         for n in self.lens:
             bounds.append(bounds[-1] + n)
-        ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.long)
-        self.ctx = model.context(ids, bounds)
+        ids = torch.cat(seqs).cpu() if seqs else torch.zeros(0, dtype=torch.long)
+        self.ctx = model.context(ids.to(model.device), bounds)  # bookkeeping stays on the host
         split = self.ctx["attn"].get("cp")
         rows = split.rows if split is not None else torch.arange(len(ids))       # (T_loc,)
         seq = torch.repeat_interleave(torch.arange(len(self.lens)), torch.tensor(
@@ -78,7 +78,8 @@ class _Plan:
         self.split, self.rows_local = split, len(rows)
         if split is not None:  # the predicting rows of the whole micro-batch, in packed order
             every = positions_of(bounds) < (ends - torch.tensor(bounds[:-1]))[seq] - 1
-            self.pred_global = every.nonzero().squeeze(1)
+            self.pred_global = every.nonzero().squeeze(1).to(model.device)
+        self.pred, self.targets = self.pred.to(model.device), self.targets.to(model.device)
         self.shape = ((model.stage_rows(self.ctx), model.config.hidden_size), model.dtype)
 
     def score(self, model, h: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -163,7 +164,8 @@ def _score_padded(model, seqs, temperature) -> List[torch.Tensor]:
         ids[i, :len(s)], mask[i, :len(s)] = s, True
     pred = mask.clone()
     pred[torch.arange(len(seqs)), torch.tensor(lens) - 1] = False
-    logits = model(ids, attention_mask=mask)[pred]                                 # (R, V)
+    logits = model(ids, attention_mask=mask)[pred.to(model.device)]                # (R, V)
+    targets = targets.to(model.device)
     lp = tk.token_logprobs(logits, targets, temperature=temperature)
     return list(lp.split([n - 1 for n in lens]))
 

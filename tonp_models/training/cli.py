@@ -7,6 +7,7 @@ clean error exits, and `run_supervised` (the one loop pretrain.py and finetune.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -72,8 +73,8 @@ int_list.__name__ = "layers per stage"
 
 
 def add_launch_args(ap: argparse.ArgumentParser) -> None:
-    """--tp, --ep, --pp, --cp, --sp, --pp-layers, --micro-batches, --threads, --mode,
-    --dist-timeout."""
+    """--tp, --ep, --pp, --cp, --sp, --pp-layers, --micro-batches, --threads, --mode, --device,
+    --numerics, --dist-timeout."""
     ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
     ap.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree")
     ap.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree")
@@ -89,6 +90,13 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads (default: as set)")
     ap.add_argument("--mode", choices=tk.MODES, default="invariant", help="tonp kernel mode")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                    help="where the model runs (auto: LOCAL_RANK's GPU / NPU under torchrun "
+                         "with NCCL / HCCL, else the CPU; cuda / npu: that device in one "
+                         "process too)")
+    ap.add_argument("--numerics", choices=tk.NUMERICS, default="exact",
+                    help="numerics of the accelerator kernels: exact (the CPU's bits) or fast "
+                         "(tensor cores; invariant within one device model)")
     ap.add_argument("--dist-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                     help="under torchrun: how long a collective waits for a stalled rank before "
                          "every rank fails (default %(default)s)")
@@ -158,8 +166,9 @@ def load_config(args) -> Qwen3MoeConfig:
 
 # -- running --------------------------------------------------------------------------------------
 def launch(args, body: Callable[[Any, tpar.ParallelGroups], Any]) -> Any:
-    """Thread count, process groups (torchrun or one process, --dist-timeout) and the kernel
-    mode, then body(args, groups)."""
+    """Thread count, process groups (torchrun or one process, --dist-timeout), the device
+    (groups.device: the Trainer moves the model there) and the kernel mode, then
+    body(args, groups)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if max(args.tp, args.ep, args.pp, args.cp) > 1 and "WORLD_SIZE" not in os.environ \
@@ -169,9 +178,13 @@ def launch(args, body: Callable[[Any, tpar.ParallelGroups], Any]) -> Any:
                          f"multiple of tp x cp x pp and of pp x ep)")
     groups = tpar.init_parallel(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp,
                                 pp_layers=args.pp_layers, timeout=args.dist_timeout)
+    device = getattr(args, "device", "auto")
+    if device not in ("auto", groups.device.type):
+        local = int(os.environ.get("LOCAL_RANK", "0")) if device != "cpu" else None
+        groups = dataclasses.replace(groups, device=torch.device(device, local))
     if args.micro_batches is None:
         args.micro_batches = groups.pp_size
-    with tk.use(args.mode):
+    with tk.use(args.mode, numerics=getattr(args, "numerics", "exact")):
         return body(args, groups)
 
 

@@ -87,6 +87,7 @@ class GradSync:
         """The global L2 norm of the master gradients over every shard, each counted once.
         Under PP every stage's per-parameter sums are gathered and added in the one-process
         model's parameter order, so the norm has PP 1's bits."""
+        dev = self.master.params[0].device
         parts = [m.grad.float().pow(2).sum() * w for m, w in zip(self.master.params,
                                                                   self.norm_weight)]
         kinds = list(self.kind)
@@ -94,10 +95,11 @@ class GradSync:
         if getattr(g, "pp_size", 1) > 1:  # stages hold consecutive runs of the parameters
             import torch.distributed as dist
             stages: List = [None] * g.pp_size
-            dist.all_gather_object(stages, (parts, kinds), group=g.pp_group)
-            parts = [p for stage in stages for p in stage[0]]
+            # CPU copies travel (a device tensor would unpickle onto the sender's device)
+            dist.all_gather_object(stages, ([p.cpu() for p in parts], kinds), group=g.pp_group)
+            parts = [p.to(dev) for stage in stages for p in stage[0]]
             kinds = [k for stage in stages for k in stage[1]]
-        sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32)
+        sq: Dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32, device=dev)
                                        for k in ("rep", "tp", "ep")}
         for part, kind in zip(parts, kinds):
             sq[kind] = sq[kind] + part

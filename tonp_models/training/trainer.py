@@ -37,6 +37,7 @@ def build_model(config, dtype: torch.dtype, groups, seed: int) -> Qwen3MoeForCau
 class Trainer:
     """Model + MasterWeights + AdamW + LambdaLR(warmup_cosine) + GradSync + CheckpointManager.
 
+    The model moves to `groups.device` first (this rank's GPU / NPU, or the CPU).
     Args: model (with `parameter_shards()`), groups (ParallelGroups), lr, weight_decay, betas,
     warmup, total_steps, min_lr_ratio, grad_clip (0 = off), ckpt_dir (None = no checkpoints),
     keep_last, meta (what a resumed checkpoint must match: config, layout, ...).
@@ -47,6 +48,7 @@ class Trainer:
                  total_steps: int = 1, min_lr_ratio: float = 0.1, grad_clip: float = 1.0,
                  ckpt_dir: Optional[str] = None, keep_last: int = 3,
                  meta: Optional[Dict[str, Any]] = None):
+        model.to(getattr(groups, "device", None) or next(model.parameters()).device)
         self.model, self.groups, self.grad_clip = model, groups, grad_clip
         self.master = MasterWeights(model)
         self.sync = GradSync(model, self.master, groups)

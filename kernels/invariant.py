@@ -1,8 +1,11 @@
-"""The invariant backend for CPU tensors: the C++ ops (`torch.ops.tonp.*`, csrc/) behind the
-public ops; signatures mirror stock.py. The C++ ops check their tensors; Python checks only what
-a reshape here needs, and the composites (lse + gather) whose kernels would name another op.
-Every op handle is called directly: autograd is registered in C++, so a call without gradients
-costs one dispatcher hop, never torch.library's Python autograd wrapper."""
+"""The invariant backend: the tonp ops (`torch.ops.tonp.*`) behind the public ops; signatures
+mirror stock.py. The dispatcher picks each op's kernel by device: the C++ kernels (csrc/) for CPU
+tensors, the Triton kernels (accel/, registered by _accel.py) for CUDA / NPU tensors, and CPU
+tensors routed through Triton's interpreter under `use(..., backend="triton")`. The ops check
+their tensors; Python checks only what a reshape here needs, and the composites (lse + gather)
+whose kernels would name another op. Every op handle is called directly: autograd is registered
+in C++ for every device, so a call without gradients costs one dispatcher hop, never
+torch.library's Python autograd wrapper."""
 from __future__ import annotations
 
 import math
