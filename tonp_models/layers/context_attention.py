@@ -34,7 +34,7 @@ def _pages(x_full: torch.Tensor, split, block: int) -> torch.Tensor:
     """[T, H, D] packed rows -> [pages, B, H, D] (zeros beyond each sequence's end)."""
     dest, _ = split.key_pages(block)
     flat = x_full.new_zeros((split.num_pages(block) * block, *x_full.shape[1:]))
-    flat[dest] = x_full
+    flat[dest.to(x_full.device)] = x_full
     return flat.view(-1, block, *x_full.shape[1:])
 
 
@@ -43,10 +43,10 @@ class _ContextAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, split, scale, block):
         k_full, v_full = split.gather_raw(k), split.gather_raw(v)                # (T, Hkv, D)
         _, table = split.key_pages(block)
-        rows = split.rows
+        rows, dev = split.rows, q.device        # the split's index tensors live on the host
         o = tk.attention_paged(q, _pages(k_full, split, block), _pages(v_full, split, block),
-                               table, split.seq[rows].to(torch.int32), split.positions[rows],
-                               scale=scale)
+                               table.to(dev), split.seq[rows].to(dev, torch.int32),
+                               split.positions[rows].to(dev), scale=scale)
         ctx.save_for_backward(q, k_full, v_full)
         ctx.split, ctx.scale = split, scale
         return o
@@ -61,7 +61,7 @@ class _ContextAttention(torch.autograd.Function):
             both = torch.stack([dk, dv])
             dist.all_reduce(both, group=split.group)
             dk, dv = both[0], both[1]
-        rows = split.rows
+        rows = split.rows.to(dk.device)
         return (dq.to(q.dtype), dk.index_select(0, rows).to(k_full.dtype),
                 dv.index_select(0, rows).to(v_full.dtype), None, None, None)
 
@@ -70,9 +70,10 @@ def _grads(q, k_full, v_full, grad, split, scale):
     """(dq [T_local, Hq, D], dk, dv [T, Hkv, D]) in fp32 by blocked masked SDPA."""
     rows = split.rows
     seq, pos = split.seq[rows], split.positions[rows]
-    dq = torch.zeros(q.shape, dtype=torch.float32)
-    dk = torch.zeros(k_full.shape, dtype=torch.float32)
-    dv = torch.zeros(v_full.shape, dtype=torch.float32)
+    dev = q.device
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+    dk = torch.zeros(k_full.shape, dtype=torch.float32, device=dev)
+    dv = torch.zeros(v_full.shape, dtype=torch.float32, device=dev)
     Hq = q.shape[1]
     for i, (a, b) in enumerate(zip(split.bounds, split.bounds[1:])):
         mine = (seq == i).nonzero().squeeze(1)                                     # local rows
@@ -82,11 +83,12 @@ def _grads(q, k_full, v_full, grad, split, scale):
         vf = v_full[a:b].float().detach().requires_grad_(True)
         qb_rows = max(1, _BLOCK_SCORES // max(1, Hq * (b - a)))
         for s in range(0, len(mine), qb_rows):
-            part = mine[s:s + qb_rows]
-            p = pos.index_select(0, part)                                          # (m,)
+            part_h = mine[s:s + qb_rows]
+            part = part_h.to(dev)
+            p = pos.index_select(0, part_h)                                        # (m,)
             L = int(p.max()) + 1
             qf = q.index_select(0, part).float().detach().requires_grad_(True)     # (m, Hq, D)
-            mask = torch.arange(L)[None, :] <= p[:, None]                          # (m, L)
+            mask = (torch.arange(L)[None, :] <= p[:, None]).to(dev)                # (m, L)
             with torch.enable_grad():
                 o = F.scaled_dot_product_attention(
                     qf.transpose(0, 1), kf[:L].transpose(0, 1), vf[:L].transpose(0, 1),
