@@ -1,6 +1,7 @@
 // The per-ISA kernel table. ops.cpp and moe_ops.cpp (the torch-facing side: checks, allocation,
 // threading) call these through `K()` (ops_common.h); isa_avx2.cpp and isa_portable.cpp each fill
-// one table from the same source (kernels_impl.h), so both give identical bits.
+// one table from the same source (kernels_impl.h, bf16dot.h), so both give identical bits;
+// isa_avx512bf16.cpp is the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (same bits).
 //
 // Threading never splits a reduction: every function below computes complete outputs (rows,
 // panels of output columns, (query, head) pairs) and ops.cpp only distributes those.
@@ -14,6 +15,9 @@ constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row 
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
+constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
+constexpr int kLaneRowsPairs = 4;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
+constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -45,6 +49,33 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
+// Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 4 rows
+// (its dot products close each output with a horizontal sum per chunk), emulated from 20 (like
+// bf16 weights on fp32 FMAs: unpacking a chunk to fp32 costs what few rows do not amortise).
+// Measured on the project's CPU; the choice never changes a bit.
+inline bool bf16_lane_passes(int64_t rows, bool hw) { return rows >= (hw ? kLaneRowsPairs : kLaneRowsPairsEmu); }
+
+// Elements of x a bf16 x bf16 linear reads per chunk: kc rounded up to the 16-element block (the
+// op zero-pads x to this chunk stride when kc is not a multiple of 16).
+inline int64_t bf16_chunk_stride(int64_t kc) { return (kc + 15) / 16 * 16; }
+
+// Scratch floats of a bf16 x bf16 linear_panel_bf16 call of at most `rows` rows: sums and chunk
+// partials of a row block, and the weights: one chunk unpacked ([pairs][odd, even][16] fp32,
+// emulated) or the panel's chunks packed ([chunks][pairs][64] 32-bit pairs, vdpbf16ps).
+constexpr int kRowBlockPairs = 384;  // rows per bf16 x bf16 linear task (the kernel blocks them by kRowBlock)
+
+// Rows per bf16 x bf16 linear task: the fewest blocks of at most kRowBlockPairs, even. A task
+// packs its panel's weights once for all its rows; only which rows share a task depends on this.
+inline int64_t bf16_row_block(int64_t M) {
+  const int64_t nb = M <= 0 ? 1 : (M + kRowBlockPairs - 1) / kRowBlockPairs;
+  return M <= 0 ? kRowBlockPairs : (M + nb - 1) / nb;
+}
+
+inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
+  const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
+  return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
+}
+
 struct Kernels {
   const char* name;
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
@@ -67,10 +98,23 @@ struct Kernels {
                      float* s);
   void (*moe_combine)(const float* w, const void* y, void* out, int64_t K, int64_t H, Elem e);
   float (*exp)(float x);
+  // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
+  // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
+  // otherwise as linear_panel.
+  // scratch: linear_scratch_bf16(chunks, K, rows) floats.
+  void (*linear_panel_bf16)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
+                            int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
+                            int64_t ldo, Elem oelem, float* scratch);
+  // One step of the pair chains on n lanes (acc fp32 [n], a, b bf16 [n, 2]): the unit the
+  // equality tests compare across builds and with the instruction.
+  void (*bf16_pair_step)(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n);
 };
 
 const Kernels* kernels_avx2();
 const Kernels* kernels_portable();
 bool cpu_has_avx2_fma();
+// The AVX2 table with the bf16 x bf16 linear on vdpbf16ps; null unless this CPU has AVX512-BF16
+// and the instruction passed a self-check against the emulation (isa_avx512bf16.cpp).
+const Kernels* kernels_avx512bf16();
 
 }  // namespace tonp

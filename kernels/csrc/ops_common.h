@@ -12,10 +12,14 @@
 namespace tonp {
 
 inline const Kernels* K() {
-  // Read at call time so tests can compare the AVX2 and the portable build in one process.
+  // Read at call time so tests can compare the builds in one process: TONP_FORCE_PORTABLE=1 (the
+  // portable build), TONP_FORCE_AVX2=1 (AVX2, bf16 x bf16 linears emulated, on an AVX512-BF16 CPU).
   const char* force = std::getenv("TONP_FORCE_PORTABLE");
   if (force && force[0] == '1') return kernels_portable();
   static const bool avx2 = cpu_has_avx2_fma();
+  static const Kernels* bf16hw = kernels_avx512bf16();
+  const char* force_avx2 = std::getenv("TONP_FORCE_AVX2");
+  if (bf16hw && !(force_avx2 && force_avx2[0] == '1')) return bf16hw;
   return avx2 ? kernels_avx2() : kernels_portable();
 }
 
@@ -45,6 +49,18 @@ inline at::Tensor f32_contiguous(const at::Tensor& t) {
   uint32_t* dst = static_cast<uint32_t*>(out.data_ptr());
   for (int64_t i = 0, n = t.numel(); i < n; ++i) dst[i] = uint32_t(src[i]) << 16;
   return out;
+}
+
+// A contiguous bf16 [R, K] as the bf16 x bf16 linear reads it: each of the `chunks` chunks of
+// kc = K / chunks elements zero padded to bf16_chunk_stride(kc) (x itself when kc is a multiple
+// of 16, the model's shapes; the padding only serves small test and toy shapes).
+inline at::Tensor pad_bf16_chunks(const at::Tensor& x, int64_t chunks) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t R = xc.size(0), kc = xc.size(1) / chunks, xkc = bf16_chunk_stride(kc);
+  if (xkc == kc) return xc;
+  at::Tensor out = at::zeros({R, chunks, xkc}, xc.options());
+  out.narrow(2, 0, kc).copy_(xc.view({R, chunks, kc}));
+  return out.view({R, chunks * xkc});
 }
 
 // Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
