@@ -37,8 +37,17 @@ using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const Tensor&);
 using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using RopeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-using ExpertsBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                         const Tensor&, int64_t, std::array<bool, 3>);
+using LinearBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>,
+                                                        std::optional<at::ScalarType>);
+using RmsBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double, std::array<bool, 2>);
+using SiluBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&);
+using RouteBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
+using CombineBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 2>);
+using ExpertsTrainSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                                    int64_t);
+using ExpertsGradSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                          const Tensor&, const std::optional<Tensor>&, int64_t, int64_t,
+                                                          std::array<bool, 3>);
 
 bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
@@ -46,8 +55,6 @@ bool any_requires_grad(std::initializer_list<const Tensor*> ts) {
     if (t->defined() && t->requires_grad()) return true;
   return false;
 }
-
-Tensor cast_like(const Tensor& g, const Tensor& like) { return g.to(like.scalar_type()); }
 
 // --- linear ----------------------------------------------------------------------------------
 struct LinearFn : torch::autograd::Function<LinearFn> {
@@ -60,16 +67,16 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     return k(x, w, bias, chunks, out_dtype);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // fp32 GEMMs (MKL) even for bf16 tensors: stock bf16 GEMM on these CPUs is ~400x slower.
+    // The backward GEMM over fixed tiles (grad_kernels.cpp): bf16 operands stay bf16 (vdpbf16ps
+    // where the CPU has it), nothing is widened in a copy of its own.
+    static const Below<LinearBwdSig> k("tonp::linear_backward");
     const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &w = saved[1];
-    const Tensor g = grads[0].to(at::kFloat);
-    Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = cast_like(at::matmul(g, w.to(at::kFloat)), x);
-    if (ctx->needs_input_grad(1)) gw = cast_like(at::matmul(g.t(), x.to(at::kFloat)), w);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    if (has_bias && ctx->needs_input_grad(2)) gb = g.sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
-    return {gx, gw, gb, Tensor(), Tensor()};
+    const std::array<bool, 3> want{ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2)};
+    const std::optional<at::ScalarType> bdt =
+        has_bias ? std::optional<at::ScalarType>(ctx->saved_data["bias_dtype"].toScalarType()) : std::nullopt;
+    auto [gx, gw, gb] = k(grads[0], saved[0], saved[1], want, bdt);
+    return {want[0] ? gx : Tensor(), want[1] ? gw : Tensor(), want[2] ? gb : Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -94,17 +101,10 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1];
-    const double eps = ctx->saved_data["eps"].toDouble();
-    const Tensor xf = x.to(at::kFloat), g = grads[0].to(at::kFloat);
-    const Tensor r = at::rsqrt(xf.pow(2).mean(-1, true) + eps);
-    const Tensor xhat = xf * r;
-    Tensor gx, gw;
-    if (ctx->needs_input_grad(1)) gw = cast_like((g * xhat).reshape({-1, x.size(-1)}).sum(0), w);
-    if (ctx->needs_input_grad(0)) {
-      const Tensor gh = g * w.to(at::kFloat);
-      gx = cast_like(r * (gh - xhat * (gh * xhat).mean(-1, true)), x);
-    }
-    return {gx, gw, Tensor()};
+    static const Below<RmsBwdSig> k("tonp::rms_norm_backward");
+    const std::array<bool, 2> want{ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
+    auto [gx, gw] = k(grads[0], x, w, ctx->saved_data["eps"].toDouble(), want);
+    return {want[0] ? gx : Tensor(), want[1] ? gw : Tensor(), Tensor()};
   }
 };
 
@@ -117,14 +117,6 @@ Tensor rms_norm_ad(const Tensor& x, const Tensor& w, double eps) {
 }
 
 // --- silu_mul: silu(g) * u --------------------------------------------------------------------
-std::pair<Tensor, Tensor> silu_mul_grads(const Tensor& gate, const Tensor& up, const Tensor& grad) {
-  const Tensor g = gate.to(at::kFloat), u = up.to(at::kFloat), d = grad.to(at::kFloat);
-  const Tensor s = at::sigmoid(g);
-  const Tensor dg = d * u * (s * (1 + g * (1 - s)));
-  const Tensor du = d * (g * s);
-  return {dg, du};
-}
-
 struct SiluMulFn : torch::autograd::Function<SiluMulFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
     static const Below<SiluSig> k("tonp::silu_mul");
@@ -133,8 +125,9 @@ struct SiluMulFn : torch::autograd::Function<SiluMulFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [dg, du] = silu_mul_grads(saved[0], saved[1], grads[0]);
-    return {cast_like(dg, saved[0]), cast_like(du, saved[1])};
+    static const Below<SiluBwdSig> k("tonp::silu_mul_backward");
+    auto [dg, du] = k(grads[0], saved[0], saved[1]);
+    return {dg, du};
   }
 };
 
@@ -158,17 +151,9 @@ struct MoeRouteFn : torch::autograd::Function<MoeRouteFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &logits = saved[0], &ids = saved[1], &w = saved[2];
-    const Tensor gw = grads[1].to(at::kFloat);
-    const Tensor p = at::softmax(logits.to(at::kFloat), -1);
-    Tensor dpk = gw;
-    if (ctx->saved_data["normalize"].toBool()) {  // w = pk / S: d pk_j = (gw_j - sum_i gw_i w_i) / S
-      const Tensor S = p.gather(-1, ids).sum(-1, true);
-      dpk = (gw - (gw * w).sum(-1, true)) / S;
-    }
-    const Tensor dp = at::zeros_like(p).scatter_(-1, ids, dpk);
-    const Tensor dl = p * (dp - (dp * p).sum(-1, true));
-    return {cast_like(dl, logits), Tensor(), Tensor()};
+    if (!grads[1].defined()) return {Tensor(), Tensor(), Tensor()};
+    static const Below<RouteBwdSig> k("tonp::moe_route_backward");
+    return {k(grads[1], saved[0], saved[1], saved[2], ctx->saved_data["normalize"].toBool()), Tensor(), Tensor()};
   }
 };
 
@@ -190,12 +175,10 @@ struct MoeCombineFn : torch::autograd::Function<MoeCombineFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &w = saved[0], &y = saved[1];
-    const Tensor g = grads[0].to(at::kFloat).unsqueeze(1);  // [M, 1, H]
-    Tensor gw, gy;
-    if (ctx->needs_input_grad(0)) gw = cast_like((g * y.to(at::kFloat)).sum(-1), w);
-    if (ctx->needs_input_grad(1)) gy = cast_like(w.to(at::kFloat).unsqueeze(-1) * g, y);
-    return {gw, gy};
+    static const Below<CombineBwdSig> k("tonp::moe_combine_backward");
+    const std::array<bool, 2> want{ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
+    auto [gw, gy] = k(grads[0], saved[0], saved[1], want);
+    return {want[0] ? gw : Tensor(), want[1] ? gy : Tensor()};
   }
 };
 
@@ -207,69 +190,27 @@ Tensor moe_combine_ad(const Tensor& w, const Tensor& y) {
   return MoeCombineFn::apply(w, y);
 }
 
-// The backward of moe_experts (CPU kernel of tonp::moe_experts_backward): per expert, in fp32,
-// recomputing gate_up (one GEMM) rather than keeping [rows, 2I] alive. Weight gradients are
-// written expert by expert into tensors of the weights' dtype (an fp32 [E, 2I, H] scratch would
-// be gigabytes at 128 experts); experts without rows get zeros. Unwanted gradients come back
-// as empty tensors.
-std::tuple<Tensor, Tensor, Tensor> moe_experts_backward(const Tensor& grad, const Tensor& x, const Tensor& ids,
-                                                        const Tensor& gate_up, const Tensor& down, int64_t first,
-                                                        std::array<bool, 3> want) {
-  const int64_t Kk = ids.size(1), H = x.size(1), E = gate_up.size(0), I = down.size(2);
-  const Tensor xf = x.to(at::kFloat), gy = grad.to(at::kFloat).reshape({-1, H});
-  const Tensor flat = ids.reshape({-1}) - first;
-  const Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
-  const Tensor count_t = at::bincount(flat, {}, E);
-  const int64_t* counts = count_t.data_ptr<int64_t>();
-  Tensor gx = want[0] ? at::zeros_like(xf) : Tensor();
-  Tensor ggu = want[1] ? at::empty(gate_up.sizes(), gate_up.options()) : Tensor();
-  Tensor gdn = want[2] ? at::empty(down.sizes(), down.options()) : Tensor();
-  auto store = [](Tensor dst, const Tensor& a, const Tensor& b) {  // dst = a @ b
-    if (dst.scalar_type() == at::kFloat)
-      at::mm_out(dst, a, b);
-    else
-      dst.copy_(at::mm(a, b));
-  };
-  int64_t s = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = counts[e];
-    if (n == 0) {
-      if (want[1]) ggu[e].zero_();
-      if (want[2]) gdn[e].zero_();
-      continue;
-    }
-    const Tensor rows = order.slice(0, s, s + n), tok = rows.div(Kk, "floor");
-    s += n;
-    const Tensor xe = xf.index_select(0, tok), ge = gy.index_select(0, rows);
-    const Tensor wgu = gate_up[e].to(at::kFloat), wdn = down[e].to(at::kFloat);
-    const Tensor gu = at::mm(xe, wgu.t());
-    const Tensor g = gu.slice(1, 0, I), u = gu.slice(1, I, 2 * I);
-    if (want[2]) store(gdn[e], ge.t(), at::silu(g) * u);
-    auto [dg, du] = silu_mul_grads(g, u, at::mm(ge, wdn));
-    const Tensor dgu = at::cat({dg, du}, 1);
-    if (want[1]) store(ggu[e], dgu.t(), xe);
-    if (want[0]) gx.index_add_(0, tok, at::mm(dgu, wgu));
-  }
-  return {want[0] ? cast_like(gx, x) : x.new_empty({0}), want[1] ? ggu : gate_up.new_empty({0}),
-          want[2] ? gdn : down.new_empty({0})};
-}
-
 // --- moe_experts: y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, k] -------------
 struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& ids, const Tensor& gate_up,
                         const Tensor& down, int64_t first_expert, int64_t chunks) {
-    static const Below<ExpertsSig> k("tonp::moe_experts");
-    ctx->save_for_backward({x, ids, gate_up, down});
+    // The training forward also hands back the gate_up rows (moe_backward.cpp), so the backward
+    // recomputes no GEMM; y's bits are moe_experts'.
+    static const Below<ExpertsTrainSig> k("tonp::moe_experts_train");
+    auto [y, gub] = k(x, ids, gate_up, down, first_expert, chunks);
+    ctx->save_for_backward({x, ids, gate_up, down, gub});
     ctx->saved_data["first"] = first_expert;
-    return k(x, ids, gate_up, down, first_expert, chunks);
+    ctx->saved_data["chunks"] = chunks;
+    return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // An op of its own (tonp::moe_experts_backward, below): its per-expert loop depends on the
-    // routing, so traced graphs must see it as one opaque call with a fake implementation.
-    static const Below<ExpertsBwdSig> k("tonp::moe_experts_backward");
-    const auto saved = ctx->get_saved_variables();
+    // An op of its own (tonp::moe_experts_grad): its grouping depends on the routing, so traced
+    // graphs see it as one opaque call with a fake implementation.
+    static const Below<ExpertsGradSig> k("tonp::moe_experts_grad");
+    const auto s = ctx->get_saved_variables();
     const std::array<bool, 3> want{ctx->needs_input_grad(0), ctx->needs_input_grad(2), ctx->needs_input_grad(3)};
-    auto [gx, ggu, gdn] = k(grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["first"].toInt(), want);
+    auto [gx, ggu, gdn] = k(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["first"].toInt(),
+                            ctx->saved_data["chunks"].toInt(), want);
     return {want[0] ? gx : Tensor(), Tensor(), want[1] ? ggu : Tensor(), want[2] ? gdn : Tensor(), Tensor(), Tensor()};
   }
 };
@@ -322,7 +263,5 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
   m.impl("moe_experts", &moe_experts_ad);
   m.impl("rope", &rope_ad);
 }
-
-TORCH_LIBRARY_IMPL(tonp, CPU, m) { m.impl("moe_experts_backward", &moe_experts_backward); }
 
 }  // namespace tonp

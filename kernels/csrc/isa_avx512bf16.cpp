@@ -1,6 +1,6 @@
-// The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h).
-// Every other entry is the AVX2 table's own function, so only the pair chains run on the new
-// instruction, and they give the emulation's bits (checked here once, on a table of edge cases,
+// The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h)
+// and the backward GEMM on AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own
+// function, so only the pair chains run on the new instruction, and they give the emulation's bits (checked here once, on a table of edge cases,
 // before the table is used; a CPU whose instruction disagrees keeps the AVX2 emulation).
 #include <algorithm>
 #include <cfloat>
@@ -18,6 +18,8 @@ namespace tonp_avx512bf16 {
 #include "kernels_impl.h"
 #include "bf16dot.h"
 #include "bf16dot_hw.h"
+#include "gemm.h"
+#include "gemm_hw.h"
 
 // Edge cases of one step: subnormal inputs and accumulators, products and sums near FLT_MIN
 // (where tininess before and after rounding differ), cancellation, infinities, NaN.
@@ -60,6 +62,8 @@ const Kernels* kernels_avx512bf16() {
     t.name = TONP_ISA_NAME;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
+    t.gemm = tonp_avx512bf16::gemm_hw;
+    t.grad_to_bf16 = tonp_avx512bf16::grad_to_bf16_hw;
     return &t;
 #else
     return nullptr;

@@ -17,10 +17,11 @@
 namespace tonp_portable {
 #include "kernels_impl.h"
 #include "bf16dot.h"
+#include "gemm.h"
 
 static const tonp::Kernels kTable = {
     TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
-    linear_panel_bf16, bf16_pair_step,
+    linear_panel_bf16, bf16_pair_step, gemm, grad_to_bf16,
 };
 }  // namespace tonp_portable
 

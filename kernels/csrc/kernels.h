@@ -76,6 +76,17 @@ inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
   return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
 }
 
+// An operand of the backward GEMM: element (i, j) at p + i * rs + j * cs (in elements).
+struct GemmOperand {
+  const void* p;
+  int64_t rs, cs;
+  Elem e;
+};
+constexpr int64_t kGemmKc = 256;  // the backward GEMM's k block (gemm.h)
+constexpr int64_t kGemmMaxM = 768;  // rows of C per gemm call at most (the caller splits)
+// Scratch floats of a gemm call of at most kGemmMaxM rows (packed A and B blocks, any build).
+inline int64_t gemm_scratch() { return kGemmKc * 64 + (kGemmMaxM + 6) * kGemmKc; }
+
 struct Kernels {
   const char* name;
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
@@ -108,6 +119,13 @@ struct Kernels {
   // One step of the pair chains on n lanes (acc fp32 [n], a, b bf16 [n, 2]): the unit the
   // equality tests compare across builds and with the instruction.
   void (*bf16_pair_step)(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n);
+  // The backward passes' GEMM (gemm.h): C[m, n] fp32 (row stride ldc) = (C if accumulate) + A B,
+  // A [m, k], B [k, n], m <= kGemmMaxM; a fixed order per call (not the forward's arithmetic).
+  // scratch: gemm_scratch() floats.
+  void (*gemm)(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc,
+               bool accumulate, float* scratch);
+  // Gradients to bf16, round to nearest even (the backward passes' one rounding).
+  void (*grad_to_bf16)(const float* src, uint16_t* dst, int64_t n);
 };
 
 const Kernels* kernels_avx2();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe_common.h"
 #include "ops_common.h"
 
 namespace tonp {
@@ -70,14 +71,10 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
   return out;
 }
 
-// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
-// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
-// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
-// each row's bits are those of running its expert alone on it. Rows are grouped by expert
-// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
-// parallel regions per layer instead of two per expert.
-at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
-                       int64_t first_expert, int64_t chunks) {
+}  // namespace
+
+void check_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
+                   int64_t chunks) {
   TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_experts: x must be [M, H], got ", x_.sizes());
   TORCH_CHECK_VALUE(ids_.dim() == 2 && ids_.size(0) == x_.size(0), "tonp.moe_experts: expert ids must be [M, K] with M = ",
                     x_.size(0), ", got ", ids_.sizes());
@@ -86,29 +83,49 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
                         gu_.size(1) % 2 == 0 && dn_.size(1) == x_.size(1) && 2 * dn_.size(2) == gu_.size(1),
                     "tonp.moe_experts: expected gate_up [E, 2I, H] and down [E, H, I] with H = ", x_.size(1), ", got ",
                     gu_.sizes(), " and ", dn_.sizes());
-  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
+  elem_of(x_, "moe_experts", "x");
+  elem_of(gu_, "moe_experts", "gate_up");
   TORCH_CHECK_TYPE(dn_.scalar_type() == gu_.scalar_type(), "tonp.moe_experts: gate_up and down dtypes differ");
-  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
-  check_chunks(H, chunks, "moe_experts");
-  check_chunks(I, chunks, "moe_experts");
+  check_chunks(x_.size(1), chunks, "moe_experts");
+  check_chunks(dn_.size(2), chunks, "moe_experts");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.moe_experts: at most ", kMaxChunks, " reduction chunks, got ", chunks);
-  at::Tensor y = at::empty({M, Kk, H}, x_.options());
-  if (R == 0 || H == 0) return y;
-  // Group the rows by expert, stable: counting sort.
+}
+
+ExpertGroups group_by_expert(const at::Tensor& ids_, int64_t first_expert, int64_t E) {
   const at::Tensor ids = ids_.contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
-  std::vector<int64_t> start(E + 1, 0), order(R);
+  const int64_t R = ids.numel();
+  ExpertGroups g{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(R)};
   for (int64_t r = 0; r < R; ++r) {
     const int64_t e = idp[r] - first_expert;
     TORCH_CHECK_INDEX(e >= 0 && e < E, "tonp.moe_experts: expert id ", idp[r], " is not one of this call's experts [",
                       first_expert, ", ", first_expert + E, ")");
-    ++start[e + 1];
+    ++g.start[e + 1];
   }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t r = 0; r < R; ++r) order[fill[idp[r] - first_expert]++] = r;
-  }
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t r = 0; r < R; ++r) g.order[fill[idp[r] - first_expert]++] = r;  // stable counting sort
+  return g;
+}
+
+// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
+// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
+// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
+// each row's bits are those of running its expert alone on it. Rows are grouped by expert
+// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
+// parallel regions per layer instead of two per expert. gate_up_out, when given, receives the
+// gate_up rows [R, 2I] (x's dtype, in group order) for the backward.
+at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
+                               int64_t first_expert, int64_t chunks, at::Tensor* gate_up_out) {
+  check_experts(x_, ids_, gu_, dn_, chunks);
+  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
+  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
+  at::Tensor y = empty_big({M, Kk, H}, x_.options());
+  if (gate_up_out) *gate_up_out = empty_big({R, 2 * I}, x_.options());
+  if (R == 0 || H == 0) return y;
+  const ExpertGroups groups = group_by_expert(ids_, first_expert, E);
+  const std::vector<int64_t>& start = groups.start;
+  const std::vector<int64_t>& order = groups.order;
   // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows, even per expert.
   struct Blk { int64_t e, r0, rows; };
   std::vector<Blk> blks;
@@ -126,9 +143,9 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   const int64_t xkH = pairs ? bf16_chunk_stride(H / chunks) : H / chunks, xkI = pairs ? bf16_chunk_stride(I / chunks) : I / chunks;
   const int64_t ldH = chunks * xkH, ldI = chunks * xkI;
   const auto in_opts = x.options().dtype(pairs ? at::kBFloat16 : at::kFloat);
-  at::Tensor xg = (ldH == H ? at::empty({R, ldH}, in_opts) : at::zeros({R, ldH}, in_opts));
-  at::Tensor hg = (ldI == I ? at::empty({R, ldI}, in_opts) : at::zeros({R, ldI}, in_opts));
-  at::Tensor gub = at::empty({R, 2 * I}, x.options()), ys = at::empty({R, H}, x.options());
+  at::Tensor xg = (ldH == H ? empty_big({R, ldH}, in_opts) : at::zeros({R, ldH}, in_opts));
+  at::Tensor hg = (ldI == I ? empty_big({R, ldI}, in_opts) : at::zeros({R, ldI}, in_opts));
+  at::Tensor gub = gate_up_out ? *gate_up_out : empty_big({R, 2 * I}, x.options()), ys = empty_big({R, H}, x.options());
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* xgp = static_cast<char*>(xg.data_ptr());
   char* gup = static_cast<char*>(gub.data_ptr());
@@ -192,6 +209,11 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   return y;
 }
 
+namespace {
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gu, const at::Tensor& dn,
+                       int64_t first_expert, int64_t chunks) {
+  return moe_experts_forward(x, ids, gu, dn, first_expert, chunks, nullptr);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) {

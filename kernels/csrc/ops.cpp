@@ -38,7 +38,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     elem_of(*bias, "linear", "bias");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x_.options().dtype(odt));
+  at::Tensor out = empty_big({M, N}, x_.options().dtype(odt));
   if (M == 0 || N == 0) return out;
   if (Kd == 0) {
     out.zero_();

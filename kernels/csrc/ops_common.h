@@ -79,6 +79,11 @@ inline int64_t row_block(int64_t M) {
   return std::min<int64_t>(kRowBlock, (rb + 3) / 4 * 4);
 }
 
+// at::empty for the large tensors of the ops (gradients, activations): from tonp's pool of
+// blocks kept mapped between steps (big_alloc.cpp), so a training step does not fault its
+// hundreds of MB in again. Contents uninitialised, as at::empty.
+at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
+
 // Uninitialised scratch for one thread's share of a parallel region (the kernels write before
 // they read; a zero-filled std::vector cost a memset per call on the decode path).
 inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); }
