@@ -1,12 +1,10 @@
-"""Fake (meta) registrations for torch.ops.tonp.*, and the Python autograd of attention_varlen
-(imported once the extension is loaded). The other differentiable ops have C++ autograd
-(csrc/autograd.cpp). Forward = the invariant kernel; backward = standard torch math in fp32
-(gradients need to be correct, not invariant)."""
+"""Fake (meta) registrations for torch.ops.tonp.* (imported once the extension is loaded), so
+torch.compile and meta tensors see shapes and dtypes. Autograd is C++ (csrc/autograd.cpp):
+forward = the invariant kernel; backward = the *_backward / *_grad ops below (gradients need to
+be correct, not invariant, and are deterministic)."""
 from __future__ import annotations
 
 import torch
-
-from . import stock
 
 _lib = "tonp::"
 
@@ -135,39 +133,10 @@ def _(x, cos, sin, positions):
     return torch.empty_like(x)
 
 
-# --- autograd -----------------------------------------------------------------------------
-# linear, rms_norm, silu_mul, rope, moe_route, moe_combine and moe_experts have C++ autograd
-# kernels (csrc/autograd.cpp): they run many times per layer, and a Python autograd wrapper costs more
-# than a small kernel. attention_varlen, once per layer, keeps a Python backward here.
-def _register_reference_grad(name, ref_fn, n_tensors):
-    """Backward = autograd of `ref_fn` recomputed on the saved inputs (first n_tensors args)."""
-
-    def setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:n_tensors])
-        ctx.rest = inputs[n_tensors:]
-
-    def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        with torch.enable_grad():
-            ins = [t.detach().requires_grad_(t.is_floating_point() and ctx.needs_input_grad[i])
-                   for i, t in enumerate(saved)]
-            out = ref_fn(*ins, *ctx.rest)
-            outs = out if isinstance(out, tuple) else (out,)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            want = [t for t in ins if t.requires_grad]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs],
-                                           allow_unused=True) if pairs and want else ())
-        res = [next(got) if t.requires_grad else None for t in ins]
-        return (*res, *([None] * len(ctx.rest)))
-
-    torch.library.register_autograd(_lib + name, backward, setup_context=setup)
+@torch.library.register_fake(_lib + "attention_varlen_backward")
+def _(grad, q, k, v, out, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _attention_grad_math(q, k, v, cu_seqlens, scale, block):
-    """The backward's forward: per-sequence causal SDPA in fp32 (torch's fused math backward is
-    several times faster than differentiating reference.attention_varlen's dense einsums)."""
-    out = stock.attention_varlen(q.float(), k.float(), v.float(), cu_seqlens, scale)
-    return out.to(q.dtype)
-
-
-_register_reference_grad("attention_varlen", _attention_grad_math, 4)
+# Autograd: every differentiable op has C++ autograd (csrc/autograd.cpp), whose backward calls
+# the *_backward / *_grad ops registered above.

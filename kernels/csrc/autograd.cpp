@@ -1,11 +1,12 @@
-// Autograd for the tonp ops that run many times per layer (linear, rms_norm, silu_mul,
-// moe_route, moe_combine, moe_experts, rope), in C++ so that a call costs a dispatcher hop rather
-// than torch.library's Python autograd wrapper (~16 us, most of a small decode step).
+// Autograd of the differentiable tonp ops (linear, rms_norm, silu_mul, moe_route, moe_combine,
+// moe_experts, rope, attention_varlen), in C++ so that a call costs a dispatcher hop rather than
+// torch.library's Python autograd wrapper (~16 us, most of a small decode step).
 //
 // Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
-// the op itself). Backward = standard torch math in fp32, cast to the input dtypes: gradients
-// need to be correct, not invariant (CONTRACT.md). attention_varlen keeps its Python autograd
-// (_register.py): it runs once per layer.
+// the op itself). Backward = an op of its own per op (tonp::*_backward, *_grad: grad_kernels.cpp,
+// moe_backward.cpp, attention_grad.cpp; fake impls in _register.py): standard math in fp32, cast
+// to the input dtypes, in fixed orders (gradients need to be correct, not invariant: CONTRACT.md;
+// and deterministic for any thread count).
 #include <ATen/ATen.h>
 #include <array>
 #include <torch/autograd.h>
@@ -43,6 +44,9 @@ using RmsBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const
 using SiluBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&);
 using RouteBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 using CombineBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 2>);
+using AttnSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t);
+using AttnBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                      const Tensor&, const Tensor&, double);
 using ExpertsTrainSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                                     int64_t);
 using ExpertsGradSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -224,6 +228,33 @@ Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up,
   return MoeExpertsFn::apply(x, ids, gate_up, down, first_expert, chunks);
 }
 
+// --- attention_varlen: causal attention over packed sequences --------------------------------
+struct AttentionFn : torch::autograd::Function<AttentionFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu,
+                        double scale, int64_t block) {
+    static const Below<AttnSig> op("tonp::attention_varlen");
+    Tensor out = op(q, k, v, cu, scale, block);
+    ctx->save_for_backward({q, k, v, out, cu});
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const Below<AttnBwdSig> op("tonp::attention_varlen_backward");
+    const auto s = ctx->get_saved_variables();
+    auto [dq, dk, dv] = op(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor attention_varlen_ad(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu, double scale,
+                           int64_t block) {
+  if (!any_requires_grad({&q, &k, &v})) {
+    static const Below<AttnSig> op("tonp::attention_varlen");
+    return op(q, k, v, cu, scale, block);
+  }
+  return AttentionFn::apply(q, k, v, cu, scale, block);
+}
+
 // --- rope: out = x * c + R(x) * s, R(x) = cat(-x2, x1); so dx = g * c + R^T(g * s), R^T(y) = cat(y2, -y1)
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
@@ -262,6 +293,7 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
   m.impl("moe_combine", &moe_combine_ad);
   m.impl("moe_experts", &moe_experts_ad);
   m.impl("rope", &rope_ad);
+  m.impl("attention_varlen", &attention_varlen_ad);
 }
 
 }  // namespace tonp

@@ -20,6 +20,15 @@ inline GemmOperand operand(const at::Tensor& t, bool transposed = false) {
           t.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16};
 }
 
+// One thread's gemm of any m (split into calls of at most kGemmMaxM rows).
+inline void gemm_rows(const Kernels* kern, const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k,
+                      float* c, int64_t ldc, bool accumulate, float* scratch) {
+  for (int64_t i0 = 0; i0 < m; i0 += kGemmMaxM) {
+    const GemmOperand ai{static_cast<const char*>(a.p) + i0 * a.rs * (a.e == Elem::F32 ? 4 : 2), a.rs, a.cs, a.e};
+    kern->gemm(ai, b, std::min(kGemmMaxM, m - i0), n, k, c + i0 * ldc, ldc, accumulate, scratch);
+  }
+}
+
 // Output tiles of the parallel GEMM: fixed, so a C element's call never depends on the threads.
 constexpr int64_t kGradRows = 384, kGradCols = 256;
 
