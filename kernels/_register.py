@@ -117,6 +117,11 @@ def _(grad, gate, up):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
+@torch.library.register_fake(_lib + "rope_backward")
+def _(grad, cos, sin, positions, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
 @torch.library.register_fake(_lib + "moe_route_backward")
 def _(grad_weights, router_logits, expert_ids, weights, normalize):
     return torch.empty_like(router_logits)

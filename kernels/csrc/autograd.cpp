@@ -44,6 +44,7 @@ using RmsBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const
 using SiluBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&);
 using RouteBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 using CombineBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 2>);
+using RopeBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, at::ScalarType);
 using AttnSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t);
 using AttnBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                       const Tensor&, const Tensor&, double);
@@ -255,7 +256,7 @@ Tensor attention_varlen_ad(const Tensor& q, const Tensor& k, const Tensor& v, co
   return AttentionFn::apply(q, k, v, cu, scale, block);
 }
 
-// --- rope: out = x * c + R(x) * s, R(x) = cat(-x2, x1); so dx = g * c + R^T(g * s), R^T(y) = cat(y2, -y1)
+// --- rope: out = x c + R(x) s (backward: rope_backward, grad_kernels.cpp) ----------------------
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& pos) {
     static const Below<RopeSig> k("tonp::rope");
@@ -264,14 +265,10 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
     return k(x, cos, sin, pos);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const Below<RopeBwdSig> k("tonp::rope_backward");
     const auto saved = ctx->get_saved_variables();
-    const auto dt = ctx->saved_data["dtype"].toScalarType();
-    const Tensor c = saved[0].index_select(0, saved[2]).to(dt).to(at::kFloat).unsqueeze(1);  // [T, 1, D]
-    const Tensor s = saved[1].index_select(0, saved[2]).to(dt).to(at::kFloat).unsqueeze(1);
-    const Tensor g = grads[0].to(at::kFloat), gs = g * s;
-    const int64_t half = g.size(-1) / 2;
-    const Tensor rt = at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1);
-    return {(g * c + rt).to(dt), Tensor(), Tensor(), Tensor()};
+    return {k(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["dtype"].toScalarType()), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 

@@ -78,3 +78,31 @@ static void gemm(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t
 static void grad_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
+
+// C = A B rounded once to bf16 (k <= kGemmKc: one block, the sums never leave fp32 registers).
+static void gemm_bf16out(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
+                         uint16_t* c, int64_t ldc, float* scratch) {
+  float* buf = scratch + tonp::gemm_scratch();  // [m, n] after the packing scratch
+  gemm(a, b, m, n, k, buf, n, false, scratch);
+  for (int64_t i = 0; i < m; ++i) grad_to_bf16(buf + i * n, c + i * ldc, n);
+}
+
+// SwiGLU's backward for n elements: s = sigmoid(g) (the one exp), dg = dh u s (1 + g (1 - s)),
+// du = dh g s, written in e (gate, up in e; dh fp32).
+static void swiglu_grad(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e) {
+  const V8 one = vset1(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V8 g = loadv(gate, i, e), u = loadv(up, i, e), d = vload(dh + i);
+    const V8 s = vdiv(one, vadd(one, vexp(vsub(vzero(), g))));
+    float a[8], b[8];
+    vstore(a, vmul(vmul(d, u), vmul(s, vadd(one, vmul(g, vsub(one, s))))));
+    vstore(b, vmul(d, vmul(g, s)));
+    for (int t = 0; t < 8; ++t) store1(dg, i + t, a[t], e), store1(du, i + t, b[t], e);
+  }
+  for (; i < n; ++i) {
+    const float g = load1(gate, i, e), u = load1(up, i, e), s = 1.f / (1.f + sexp(0.f - g));
+    store1(dg, i, dh[i] * u * (s * (1.f + g * (1.f - s))), e);
+    store1(du, i, dh[i] * (g * s), e);
+  }
+}

@@ -51,12 +51,25 @@ static void gh_pack_b(const tonp::GemmOperand& b, int64_t k0, int64_t kc, int64_
 static void gh_pack_a(const tonp::GemmOperand& a, int64_t i0, int nr, int64_t k0, int64_t kc, void* out, bool pairs) {
   if (!pairs) {
     float* ap = static_cast<float*>(out);
+    if (a.e == Elem::F32 && nr == kGemmMr) {  // strided reads without a dtype test per element
+      const float* s = static_cast<const float*>(a.p) + i0 * a.rs + k0 * a.cs;
+      for (int64_t kk = 0; kk < kc; ++kk)
+        for (int r = 0; r < kGemmMr; ++r) ap[kk * kGemmMr + r] = s[r * a.rs + kk * a.cs];
+      return;
+    }
     for (int64_t kk = 0; kk < kc; ++kk)
       for (int r = 0; r < kGemmMr; ++r) ap[kk * kGemmMr + r] = r < nr ? gemm_at(a, i0 + r, k0 + kk) : 0.f;
     return;
   }
   uint32_t* ap = static_cast<uint32_t*>(out);
   const uint16_t* s = static_cast<const uint16_t*>(a.p);
+  if (a.cs == 1 && nr == kGemmMr && kc % 2 == 0) {  // rows with their pairs in place: 32-bit copies
+    for (int r = 0; r < kGemmMr; ++r) {
+      const uint16_t* row = s + (i0 + r) * a.rs + k0;
+      for (int64_t p = 0; p < kc / 2; ++p) std::memcpy(ap + p * kGemmMr + r, row + 2 * p, 4);
+    }
+    return;
+  }
   for (int64_t p = 0; p < (kc + 1) / 2; ++p)
     for (int r = 0; r < kGemmMr; ++r) {
       const int64_t base = (i0 + r) * a.rs + (k0 + 2 * p) * a.cs;
@@ -65,8 +78,8 @@ static void gh_pack_a(const tonp::GemmOperand& a, int64_t i0, int nr, int64_t k0
     }
 }
 
-template <bool PAIRS>
-static void gh_micro(const void* apv, const void* bpv, int64_t steps, float* c, int64_t ldc, int nr, int nj, bool accumulate) {
+template <bool PAIRS, bool BF16OUT>
+static void gh_micro(const void* apv, const void* bpv, int64_t steps, void* cv, int64_t ldc, int nr, int nj, bool accumulate) {
   __m512 acc[kGemmMr][4];
   for (int r = 0; r < kGemmMr; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -95,15 +108,26 @@ static void gh_micro(const void* apv, const void* bpv, int64_t steps, float* c, 
   for (int r = 0; r < nr; ++r)
     for (int q = 0; q < 4 && q * 16 < nj; ++q) {
       const __mmask16 m = nj - q * 16 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nj - q * 16)) - 1);
-      float* cr = c + r * ldc + q * 16;
-      const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, cr), acc[r][q]) : acc[r][q];
-      _mm512_mask_storeu_ps(cr, m, v);
+      if (BF16OUT) {  // the one rounding of a gradient, in registers (k within one block)
+        const __m256bh v = _mm512_cvtneps_pbh(acc[r][q]);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(cv) + r * ldc + q * 16, m, reinterpret_cast<const __m256i&>(v));
+      } else {
+        float* cr = static_cast<float*>(cv) + r * ldc + q * 16;
+        const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, cr), acc[r][q]) : acc[r][q];
+        _mm512_mask_storeu_ps(cr, m, v);
+      }
     }
 }
 
-static void gemm_hw(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c,
-                    int64_t ldc, bool accumulate, float* scratch) {
+template <bool BF16OUT>
+static void gemm_hw_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k, void* cv,
+                         int64_t ldc, bool accumulate, float* scratch) {
   IeeeScope ieee;
+  float* c = static_cast<float*>(cv);
+  if (BF16OUT && k == 0) {
+    for (int64_t i = 0; i < m; ++i) std::fill_n(static_cast<uint16_t*>(cv) + i * ldc, n, uint16_t(0));
+    return;
+  }
   if (k == 0) {
     if (!accumulate)
       for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.f);
@@ -122,13 +146,24 @@ static void gemm_hw(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int6
       gh_pack_b(b, k0, kc, j0, nj, bp, pairs);
       for (int64_t i0 = 0; i0 < m; i0 += kGemmMr) {
         const int nr = int(std::min<int64_t>(kGemmMr, m - i0));
+        void* ct = BF16OUT ? static_cast<void*>(static_cast<uint16_t*>(cv) + i0 * ldc + j0) : c + i0 * ldc + j0;
         if (pairs)
-          gh_micro<true>(ap + i0 * steps, bp, steps, c + i0 * ldc + j0, ldc, nr, nj, acc);
+          gh_micro<true, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc);
         else
-          gh_micro<false>(ap + i0 * steps, bp, steps, c + i0 * ldc + j0, ldc, nr, nj, acc);
+          gh_micro<false, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc);
       }
     }
   }
+}
+
+static void gemm_hw(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c,
+                    int64_t ldc, bool accumulate, float* scratch) {
+  gemm_hw_impl<false>(a, b, m, n, k, c, ldc, accumulate, scratch);
+}
+
+static void gemm_bf16out_hw(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
+                            uint16_t* c, int64_t ldc, float* scratch) {
+  gemm_hw_impl<true>(a, b, m, n, k, c, ldc, false, scratch);
 }
 
 static void grad_to_bf16_hw(const float* src, uint16_t* dst, int64_t n) {

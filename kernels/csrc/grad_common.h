@@ -29,26 +29,38 @@ inline void gemm_rows(const Kernels* kern, const GemmOperand& a, const GemmOpera
   }
 }
 
-// Output tiles of the parallel GEMM: fixed, so a C element's call never depends on the threads.
-constexpr int64_t kGradRows = 384, kGradCols = 256;
+// Rows of C per tile of the parallel GEMM (a gemm call packs its A rows once, its B columns once
+// per row tile). An output's sum runs over k blocks of kGemmKc in order whatever tile holds it,
+// so the tiles may follow the thread count without changing a bit.
+constexpr int64_t kGradRows = 384;
+
+// Columns per tile: as wide as a few tasks per thread allow (A is packed once per tile).
+inline int64_t grad_cols(int64_t m, int64_t n) {
+  const int64_t tm = (m + kGradRows - 1) / kGradRows, want = 3 * int64_t(at::get_num_threads());
+  const int64_t tn = std::max<int64_t>(1, (want + tm - 1) / tm);
+  return std::max<int64_t>(64, ((n + tn - 1) / tn + 63) / 64 * 64);
+}
 
 // C[m, n] (fp32, or bf16 rounded once; row stride ldc) = (C if accumulate, fp32 only) + A[m, k]
-// B[k, n], in fixed tiles over threads.
+// B[k, n], in tiles over threads.
 inline void gemm_parallel(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, void* c, Elem ce,
                           int64_t ldc, bool accumulate) {
   if (m == 0 || n == 0) return;
-  const int64_t tm = (m + kGradRows - 1) / kGradRows, tn = (n + kGradCols - 1) / kGradCols;
+  const int64_t cols = grad_cols(m, n);
+  const int64_t tm = (m + kGradRows - 1) / kGradRows, tn = (n + cols - 1) / cols;
   const Kernels* kern = K();
   at::parallel_for(0, tm * tn, 1, [&](int64_t b0, int64_t e0) {
-    const auto scratch = scratch_floats(gemm_scratch() + (ce == Elem::BF16 ? kGradRows * kGradCols : 0));
+    const auto scratch = scratch_floats(gemm_scratch() + (ce == Elem::BF16 ? kGradRows * cols : 0));
     float* buf = scratch.get() + gemm_scratch();
     for (int64_t t = b0; t < e0; ++t) {
-      const int64_t i0 = t / tn * kGradRows, j0 = t % tn * kGradCols;
-      const int64_t mi = std::min(kGradRows, m - i0), nj = std::min(kGradCols, n - j0);
+      const int64_t i0 = t / tn * kGradRows, j0 = t % tn * cols;
+      const int64_t mi = std::min(kGradRows, m - i0), nj = std::min(cols, n - j0);
       const GemmOperand ai{static_cast<const char*>(a.p) + i0 * a.rs * (a.e == Elem::F32 ? 4 : 2), a.rs, a.cs, a.e};
       const GemmOperand bj{static_cast<const char*>(b.p) + j0 * b.cs * (b.e == Elem::F32 ? 4 : 2), b.rs, b.cs, b.e};
       if (ce == Elem::F32) {
         kern->gemm(ai, bj, mi, nj, k, static_cast<float*>(c) + i0 * ldc + j0, ldc, accumulate, scratch.get());
+      } else if (k <= kGemmKc) {  // one k block: rounded in registers
+        kern->gemm_bf16out(ai, bj, mi, nj, k, static_cast<uint16_t*>(c) + i0 * ldc + j0, ldc, scratch.get());
       } else {
         kern->gemm(ai, bj, mi, nj, k, buf, nj, false, scratch.get());
         for (int64_t i = 0; i < mi; ++i)

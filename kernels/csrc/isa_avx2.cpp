@@ -20,7 +20,7 @@ namespace tonp_avx2 {
 
 static const tonp::Kernels kTable = {
     TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
-    linear_panel_bf16, bf16_pair_step, gemm, grad_to_bf16,
+    linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad,
 };
 }  // namespace tonp_avx2
 

@@ -63,6 +63,7 @@ const Kernels* kernels_avx512bf16() {
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;
+    t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;
     t.grad_to_bf16 = tonp_avx512bf16::grad_to_bf16_hw;
     return &t;
 #else

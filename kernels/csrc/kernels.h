@@ -124,8 +124,14 @@ struct Kernels {
   // scratch: gemm_scratch() floats.
   void (*gemm)(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc,
                bool accumulate, float* scratch);
+  // gemm with C rounded once to bf16; k <= kGemmKc, no accumulation. scratch: gemm_scratch()
+  // + m * n floats.
+  void (*gemm_bf16out)(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, uint16_t* c,
+                       int64_t ldc, float* scratch);
   // Gradients to bf16, round to nearest even (the backward passes' one rounding).
   void (*grad_to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // SwiGLU's backward (gemm.h): dg, du of silu(gate) * up given dh (fp32), gate/up/dg/du in e.
+  void (*swiglu_grad)(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e);
 };
 
 const Kernels* kernels_avx2();

@@ -53,14 +53,20 @@ void weight_tile(const Kernels* kern, const GemmOperand& a, const GemmOperand& b
     kern->gemm(a, b, m, n, k, dst.data_ptr<float>() + off, ld, false, scratch);
     return;
   }
-  kern->gemm(a, b, m, n, k, buf, n, false, scratch);
   uint16_t* d = static_cast<uint16_t*>(dst.data_ptr()) + off;
+  if (k <= kGemmKc) {  // one k block (an expert's rows): rounded in registers
+    kern->gemm_bf16out(a, b, m, n, k, d, ld, scratch);
+    return;
+  }
+  kern->gemm(a, b, m, n, k, buf, n, false, scratch);
   for (int64_t i = 0; i < m; ++i) kern->grad_to_bf16(buf + i * n, d + i * ld, n);
 }
 
-void run_tiles(const std::vector<Tile>& tiles, const std::function<void(const Tile&, float*, float*)>& fn) {
+// Tiles span whole rows of C (A packed once per tile); buf: a bf16 weight tile's fp32 sums.
+void run_tiles(const std::vector<Tile>& tiles, int64_t max_cols,
+               const std::function<void(const Tile&, float*, float*)>& fn) {
   at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t b, int64_t e) {
-    const auto scratch = scratch_floats(gemm_scratch() + kGradRows * kGradCols);
+    const auto scratch = scratch_floats(gemm_scratch() + kGradRows * max_cols);
     for (int64_t t = b; t < e; ++t) fn(tiles[t], scratch.get(), scratch.get() + gemm_scratch());
   });
 }
@@ -115,14 +121,13 @@ std::tuple<Tensor, Tensor, Tensor> moe_experts_grad(const Tensor& grad_, const T
   std::vector<Tile> tiles;
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t i0 = start[e]; i0 < start[e + 1]; i0 += kGradRows)
-      for (int64_t j0 = 0; j0 < I; j0 += kGradCols) tiles.push_back({0, e, i0, j0});
+      tiles.push_back({0, e, i0, 0});
     if (want[2])
-      for (int64_t i0 = 0; i0 < H; i0 += kGradRows)
-        for (int64_t j0 = 0; j0 < I; j0 += kGradCols) tiles.push_back({1, e, i0, j0});
+      for (int64_t i0 = 0; i0 < H; i0 += kGradRows) tiles.push_back({1, e, i0, 0});
   }
   Tensor dH = empty_big({R, I}, x.options().dtype(at::kFloat));
-  run_tiles(tiles, [&](const Tile& t, float* scratch, float* buf) {
-    const int64_t n_e = start[t.e + 1] - start[t.e], nj = std::min(kGradCols, I - t.j0);
+  run_tiles(tiles, I, [&](const Tile& t, float* scratch, float* buf) {
+    const int64_t n_e = start[t.e + 1] - start[t.e], nj = I;
     if (t.kind == 0) {
       const int64_t mi = std::min(kGradRows, start[t.e + 1] - t.i0);
       kern->gemm(rows_of(Gs, t.i0), offset(rows_of(dn, 0, false, t.e * H * I), 0, t.j0), mi, nj, H,
@@ -136,36 +141,23 @@ std::tuple<Tensor, Tensor, Tensor> moe_experts_grad(const Tensor& grad_, const T
   // dgu in x's dtype (the operand of the last two GEMMs).
   Tensor dgu = empty_big({R, 2 * I}, x.options());
   at::parallel_for(0, R, grain_for(32 * I), [&](int64_t b, int64_t e) {
-    std::vector<float> d(2 * I);
     for (int64_t j = b; j < e; ++j) {
-      const float* dh = dH.data_ptr<float>() + j * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = xe == Elem::F32 ? gub.data_ptr<float>()[j * 2 * I + i] : float(gub.data_ptr<at::BFloat16>()[j * 2 * I + i]);
-        const float u = xe == Elem::F32 ? gub.data_ptr<float>()[j * 2 * I + I + i]
-                                        : float(gub.data_ptr<at::BFloat16>()[j * 2 * I + I + i]);
-        const float s = 1.f / (1.f + std::exp(-g));
-        d[i] = dh[i] * u * (s * (1.f + g * (1.f - s)));
-        d[I + i] = dh[i] * (g * s);
-      }
-      if (xe == Elem::F32)
-        std::copy(d.begin(), d.end(), dgu.data_ptr<float>() + j * 2 * I);
-      else
-        kern->grad_to_bf16(d.data(), static_cast<uint16_t*>(dgu.data_ptr()) + j * 2 * I, 2 * I);
+      const char* row = static_cast<const char*>(gub.data_ptr()) + j * 2 * I * esize(x);
+      char* drow = static_cast<char*>(dgu.data_ptr()) + j * 2 * I * esize(x);
+      kern->swiglu_grad(row, row + I * esize(x), dH.data_ptr<float>() + j * I, drow, drow + I * esize(x), I, xe);
     }
   });
   // Stage 2: dWgu and the dX rows.
   tiles.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (want[1])
-      for (int64_t i0 = 0; i0 < 2 * I; i0 += kGradRows)
-        for (int64_t j0 = 0; j0 < H; j0 += kGradCols) tiles.push_back({2, e, i0, j0});
+      for (int64_t i0 = 0; i0 < 2 * I; i0 += kGradRows) tiles.push_back({2, e, i0, 0});
     if (want[0])
-      for (int64_t i0 = start[e]; i0 < start[e + 1]; i0 += kGradRows)
-        for (int64_t j0 = 0; j0 < H; j0 += kGradCols) tiles.push_back({3, e, i0, j0});
+      for (int64_t i0 = start[e]; i0 < start[e + 1]; i0 += kGradRows) tiles.push_back({3, e, i0, 0});
   }
   Tensor dXs = want[0] ? empty_big({R, H}, x.options().dtype(at::kFloat)) : Tensor();
-  run_tiles(tiles, [&](const Tile& t, float* scratch, float* buf) {
-    const int64_t n_e = start[t.e + 1] - start[t.e], nj = std::min(kGradCols, H - t.j0);
+  run_tiles(tiles, H, [&](const Tile& t, float* scratch, float* buf) {
+    const int64_t n_e = start[t.e + 1] - start[t.e], nj = H;
     if (t.kind == 2) {
       const int64_t mi = std::min(kGradRows, 2 * I - t.i0);
       weight_tile(kern, offset(rows_of(dgu, start[t.e], true), t.i0, 0), offset(rows_of(xs, start[t.e]), 0, t.j0), mi, nj,
