@@ -33,3 +33,9 @@ bench: $(EXT)
 
 clean:
 	rm -rf build *.egg-info kernels/*.so $(EXT)
+
+# On a lent GPU (its own python3, torch and Triton; no downloads): builds the C++ extension there,
+# checks exact and fast numerics and times them; writes benchmarks/results/gpu.{md,json}.
+.PHONY: gpu-check
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

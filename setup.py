@@ -20,8 +20,8 @@ setup(
     version="0.1.0",
     description="True-on-policy Qwen3-MoE: one model for training and rollout, bitwise-equal logprobs",
     python_requires=">=3.10",
-    packages=["tonp_kernels"] + find_packages(include=["tonp_models", "tonp_models.*",
-                                                       "tonp_parallel", "tonp_parallel.*"]),
+    packages=["tonp_kernels", "tonp_kernels.accel"] + find_packages(
+        include=["tonp_models", "tonp_models.*", "tonp_parallel", "tonp_parallel.*"]),
     package_dir={"tonp_kernels": "kernels"},
     ext_modules=[
         CppExtension(

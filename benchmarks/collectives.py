@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the multi-process harness lives with the tests
-from dist_utils import run_distributed  # noqa: E402
+import tonp_parallel as tpar
+from tonp_parallel.launch import run_distributed
 
-import tonp_parallel as tpar  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MESSAGES = (("decode 1x2048", (1, 2048)), ("training 4096x2048", (4096, 2048)))
 FORMS = ("dist.all_reduce", "tree auto", "tree gather", "tree all_to_all")

@@ -10,7 +10,8 @@ Writes benchmarks/results/latest.{md,json,png} (--quick: latest_quick.*): the ma
 transformers for each model and dtype (model_bench.py), every comparison as a ratio measured side
 by side in this run, each tonp figure as a fraction of the bound that limits it, the targets of
 issue 7 (met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
-the kernel (kernels.py) and collective (collectives.py) tables, run as subprocesses.
+the kernel (kernels.py), collective (collectives.py), rollout-service (serve_bench.py) and
+pipeline / context parallelism (parallel_bench.py) tables, run as subprocesses.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_me
 BYTES = {"fp32": 4, "bf16": 2}
 METRICS = ("decode_b1", "decode_b16", "prefill", "train")
 PEERS = (("Kernels (benchmarks/kernels.py)", "kernels_quick.md"),
-         ("Collectives (benchmarks/collectives.py)", "collectives.md"))
+         ("Collectives (benchmarks/collectives.py)", "collectives.md"),
+         ("Rollout service (benchmarks/serve_bench.py)", "serve_quick.md"),
+         ("Pipeline and context parallelism (benchmarks/parallel_bench.py)", "parallel.md"))
 LABELS = {"decode_b1": "decode, batch 1", "decode_b16": "decode, batch 16",
           "prefill": "prefill", "train": "training fwd+bwd"}
 
@@ -300,6 +303,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels-full", action="store_true",
                     help="run kernels.py at full size (default: its --quick, for time)")
     ap.add_argument("--skip-collectives", action="store_true")
+    ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--skip-parallel", action="store_true",
+                    help="skip parallel_bench.py (PP / CP against PP 1 / CP 1)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
                     help="rebuild the report of a stored run (e.g. benchmarks/results/latest.json)"
                          ", re-measuring only the machine's limits (best of stored and new)")
@@ -332,6 +338,14 @@ def main(argv=None) -> dict:
         if not args.skip_collectives:
             c = run_peer("collectives.py", ["--quick"], "collectives.md", 900)
             extra += [("Collectives (benchmarks/collectives.py)", c[1])] if c else []
+        if not args.skip_serve:
+            v = run_peer("serve_bench.py", ["--quick"], "serve_quick.md", 600)
+            extra += [("Rollout service (benchmarks/serve_bench.py)", v[1])] if v else []
+        if not args.skip_parallel:
+            p = run_peer("parallel_bench.py", [] if mode == "full" else ["--quick"],
+                         "parallel.md", 1800)
+            extra += [("Pipeline and context parallelism (benchmarks/parallel_bench.py)",
+                       p[1])] if p else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
     store["targets"] = all_targets(cases, runs, machine)

@@ -17,8 +17,6 @@ import random
 from typing import List
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-CORPUS = os.path.join(DATA_DIR, "corpus.txt")
-SFT = os.path.join(DATA_DIR, "sft.jsonl")
 
 ANIMALS = ["cat", "dog", "fox", "owl", "bear", "wolf", "hare", "duck", "goat", "frog"]
 COLOURS = ["red", "blue", "green", "brown", "white", "black", "grey", "gold"]
@@ -85,13 +83,6 @@ def write(data_dir: str = DATA_DIR, num_bytes: int = 120_000, seed: int = 0) -> 
     with open(os.path.join(data_dir, "sft.jsonl"), "w", encoding="utf-8", newline="\n") as f:
         for row in sft_pairs(seed=seed + 1):
             f.write(json.dumps(row) + "\n")
-
-
-def ensure(path: str) -> str:
-    """Return `path`; when it is one of the default files and missing, generate the data first."""
-    if os.path.abspath(path) in (CORPUS, SFT) and not os.path.exists(path):
-        write()
-    return path
 
 
 if __name__ == "__main__":

@@ -2,14 +2,26 @@
 
     import tonp_kernels as tk
     y = tk.linear(x, w)                      # chunk-tree linear, same bits for any M
-    with tk.use("torch"):                    # stock torch ops, for comparison
+    with tk.use("torch"):                    # stock torch ops (this thread only), for comparison
         y_stock = tk.linear(x, w)
+    tk.isa()                                 # "avx512bf16", "avx2" or "portable": the table in use
 
-See CONTRACT.md for the numerics contract; `tonp_kernels.reference` holds the torch oracles.
+docs/CONTRACT.md is the numerics contract, docs/kernels.md how the package meets it;
+`tonp_kernels.reference` holds the torch oracles.
 """
+from ._checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
+from ._library import isa
 from ._mode import MODES, get_mode, use
-from .ops import *  # noqa: F401,F403
-from .ops import __all__ as _ops_all
+from .ops import (DEFAULT_CHUNKS, attention_paged, attention_varlen, linear, linear_partial,
+                  moe_combine, moe_experts, moe_route, rms_norm, rope, silu_mul, tree_sum)
+from .vocab import (argmax, log_softmax, logsumexp, lse_finish, lse_partial, max_with_index,
+                    sample, target_logit, token_logprobs)
 from . import reference  # noqa: F401
 
-__all__ = ["use", "get_mode", "MODES", "reference", *_ops_all]
+__all__ = [
+    "use", "get_mode", "MODES", "isa", "reference", "check_temperature", "MIN_TEMPERATURE",
+    "MAX_TEMPERATURE", "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm",
+    "silu_mul", "attention_varlen", "attention_paged", "rope", "logsumexp", "lse_partial",
+    "lse_finish", "log_softmax", "token_logprobs", "target_logit", "argmax", "max_with_index",
+    "sample", "moe_route", "moe_combine", "moe_experts",
+]

@@ -1,16 +1,14 @@
-"""Loads the C++ extension (`torch.ops.tonp.*`) and registers its fake (meta) implementations
-and its autograd: forward = the invariant kernel, backward = autograd of `reference` (standard
-torch math in fp32; gradients need to be correct, not invariant)."""
+"""Loads the C++ extension, which defines `torch.ops.tonp.*` with its CPU kernels and C++
+autograd (csrc/), then registers the ops' fake implementations (_register.py). Without a build
+only the "torch" mode works; every invariant op raises ImportError saying how to build."""
 from __future__ import annotations
 
 import torch
 
-from . import reference
-
 try:
     from . import _C as C  # noqa: F401  (TORCH_LIBRARY(tonp) registration happens on import)
     BUILD_ERROR = None
-except ImportError as e:  # only without a build: "torch" mode still works
+except ImportError as e:
     C, BUILD_ERROR = None, e
 
 
@@ -20,7 +18,21 @@ def require_built() -> None:
                           f"--no-build-isolation -e .`): {BUILD_ERROR}")
 
 
-_lib = "tonp::"
+def op(name: str):
+    """The torch.ops.tonp overload `name`, resolved once (or a stub that explains the build)."""
+    if C is None:
+        def missing(*args, **kwargs):
+            require_built()
+        return missing
+    return getattr(torch.ops.tonp, name).default
+
+
+def isa() -> str:
+    """The kernel table this process uses: "avx512bf16" (AVX512-F/BW/VL/BF16, its instruction
+    self-checked), "avx2" (AVX2 + FMA, or TONP_FORCE_AVX2=1) or "portable" (no AVX2, or
+    TONP_FORCE_PORTABLE=1; both read at each call). All give the same bits."""
+    require_built()
+    return torch.ops.tonp.isa()
 
 
 if C is not None:  # registrations need the ops defined by the extension

@@ -9,7 +9,6 @@ import torch
 _lib = "tonp::"
 
 
-# --- fake implementations: shapes and dtypes only, for torch.compile / meta tensors ----------
 @torch.library.register_fake(_lib + "linear")
 def _(x, weight, bias, chunks, out_dtype):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
@@ -50,6 +49,11 @@ def _(maxes, sums):
 def _(logits):
     v = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     return v, logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+
+
+@torch.library.register_fake(_lib + "argmax")
+def _(logits):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
 @torch.library.register_fake(_lib + "token_logprobs")

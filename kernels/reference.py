@@ -1,9 +1,9 @@
-"""Pure-PyTorch references for every tonp op: the numerical oracle and the backward.
+"""Pure-PyTorch references for the tonp ops: the numerical oracle of the tests.
 
 Each function computes the op's mathematical definition with plain torch ops, upcasting to at
-least fp32 (pass float64 inputs for a high-precision oracle). They are differentiable; the
-invariant kernels' backward passes are the autograd of these functions. They make no promise of
-batch invariance: that is the kernels' job.
+least fp32 (pass float64 inputs for a high-precision oracle). They are differentiable, and the
+tests compare the kernels' gradients (C++ autograd, csrc/autograd.cpp) with theirs. They make no
+promise of batch invariance: that is the kernels' job.
 """
 from __future__ import annotations
 

@@ -1,29 +1,41 @@
 """The "torch" kernel mode: every op as stock PyTorch computes it (F.linear, SDPA, torch.softmax,
 torch.topk, ...), in the input dtype. These are what tonp is measured against; they are correct
-but their reduction order depends on the batch, the thread count and the code path."""
+but their reduction order depends on the batch, the thread count and the code path. Each op
+first checks its tensors by the rules of its C++ twin (_opchecks.py), so both modes refuse the
+same input alike; `chunks` and `block` are checked, then ignored (None skips the check)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import _checks as check, _opchecks as opcheck
 
-def linear(x, weight, bias=None, out_dtype=None):
+
+def linear(x, weight, bias=None, chunks=None, out_dtype=None):
+    opcheck.linear(x, weight, bias, chunks, out_dtype)
+    if weight.dtype != x.dtype:  # the kernels accept mixed float32 / bfloat16; F.linear does not
+        weight = weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
 
 def rms_norm(x, weight, eps):
+    opcheck.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 def silu_mul(gate, up):
+    opcheck.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
-def attention_varlen(q, k, v, cu_seqlens, scale):
+def attention_varlen(q, k, v, cu_seqlens, scale, block=None):
     """Per-sequence causal SDPA over packed rows. q [T, Hq, D], k/v [T, Hkv, D]."""
+    opcheck.attention_varlen(q, k, v, cu_seqlens, scale, block)
     out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
     for s, e in zip(cu[:-1], cu[1:]):
@@ -36,6 +48,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale):
 
 def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
     """Gather each sequence's cached K/V and run SDPA for its queries (decode/extend)."""
+    opcheck.attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale)
     B = k_cache.shape[1]
     out = torch.empty_like(q)
     for s in torch.unique(q_seq).tolist():
@@ -54,29 +67,59 @@ def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
 
 def rope(x, cos, sin, positions):
     """x [T, heads, D] rotated at its rows' positions (transformers' apply_rotary_pos_emb)."""
+    opcheck.rope(x, cos, sin, positions)
     c = cos.index_select(0, positions).to(x.dtype)[:, None, :]
     s = sin.index_select(0, positions).to(x.dtype)[:, None, :]
     half = x.shape[-1] // 2
     return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
 
-def log_softmax(logits, temperature=1.0):
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+def _scaled(op, logits, temperature, softmax):
+    x = logits.float() / temperature
+    if x.numel():
+        check.row_maxima(x.amax(-1), temperature, op=op, softmax=softmax)
+    return x
 
 
-def logsumexp(logits, temperature=1.0):
-    return torch.logsumexp(logits.float() / temperature, dim=-1)
+def log_softmax(logits, temperature=1.0, chunks=None):
+    opcheck.vocab("log_softmax", logits, chunks)
+    return torch.log_softmax(_scaled("log_softmax", logits, temperature, True), dim=-1)
 
 
-def token_logprobs(logits, targets, temperature=1.0):
-    return log_softmax(logits, temperature).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+def logsumexp(logits, temperature=1.0, chunks=None):
+    opcheck.vocab("logsumexp", logits, chunks)
+    return torch.logsumexp(_scaled("logsumexp", logits, temperature, False), dim=-1)
+
+
+def token_logprobs(logits, targets, temperature=1.0, chunks=None):
+    opcheck.vocab("token_logprobs", logits, chunks)
+    opcheck.targets("token_logprobs", logits, targets)
+    lp = torch.log_softmax(_scaled("token_logprobs", logits, temperature, True), dim=-1)
+    return lp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def target_logit(logits, targets, temperature=1.0):
+    """logits[..., target] / temperature in fp32 (the same ops in every mode)."""
+    opcheck.vocab("target_logit", logits, None)
+    opcheck.targets("target_logit", logits, targets)
+    return gather_logit(logits, targets, temperature)
+
+
+def gather_logit(logits, targets, temperature):
+    x = logits.float().gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return x / temperature if temperature != 1.0 else x
 
 
 def argmax(logits):
+    opcheck.vocab("argmax", logits, None)
+    nan = logits.isnan().reshape(-1, logits.shape[-1]).any(-1)
+    if not nan.is_meta and bool(nan.any()):
+        raise ValueError(f"tonp.argmax: row {int(nan.nonzero()[0])} holds a NaN logit")
     return torch.argmax(logits, dim=-1)
 
 
 def moe_route(router_logits, top_k, normalize):
+    opcheck.moe_route(router_logits, top_k, normalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -85,11 +128,14 @@ def moe_route(router_logits, top_k, normalize):
 
 
 def moe_combine(weights, expert_out):
+    opcheck.moe_combine(weights, expert_out)
     return (weights.to(expert_out.dtype).unsqueeze(-1) * expert_out).sum(1)
 
 
-def moe_experts(x, expert_ids, gate_up, down, first_expert=0):
+def moe_experts(x, expert_ids, gate_up, down, first_expert=0, chunks=None):
     """Per expert: F.linear -> silu * up -> F.linear on the rows routed to it (as transformers)."""
+    opcheck.moe_experts(x, expert_ids, gate_up, down, first_expert, chunks)
+    gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)  # mixed dtypes, as the kernels take
     M, K = expert_ids.shape
     I = down.shape[2]
     flat = expert_ids.reshape(-1) - first_expert

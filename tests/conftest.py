@@ -15,6 +15,10 @@ import torch
 
 import tonp_kernels as tk
 
+# The suite tests the C++ kernels: a missing or broken build fails the session here, loudly
+# (ImportError saying how to build), rather than test by test or as skips.
+ISA = tk.isa()
+
 DTYPES = (torch.float32, torch.bfloat16)
 # Row counts of a batch: 1 to several hundred, mostly odd (vector tails, uneven thread splits).
 ROW_COUNTS = (1, 2, 3, 7, 16, 33, 100, 257, 301)

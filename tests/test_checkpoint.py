@@ -137,8 +137,9 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
 
 def test_table_covers_every_parameter():
     """Each tonp parameter is filled exactly once by the table's slots (no gaps, no overlap)."""
-    for name in ("mlp_only", "tied", "sparse_step2"):
-        model = tiny_model(name)
+    for name, kw in (("mlp_only", {}), ("tied", {}), ("sparse_step2", {}),
+                     ("mlp_only", dict(attention_bias=True))):
+        model = tiny_model(name, **kw)
         cover = {k: torch.zeros_like(p, dtype=torch.int32) for k, p in model.named_parameters()}
         for s in hub_slots(model):
             region = cover[s.param][s.index] if s.index else cover[s.param]
@@ -178,7 +179,7 @@ def test_config_from_transformers_config_json(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(some_new_knob=1), r"unknown or unsupported keys \['some_new_knob'\]"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      "rope_scaling"),
     (dict(model_type="llama"), "model_type"),
     (dict(attention_dropout=0.1), "attention_dropout"),
@@ -196,3 +197,210 @@ def test_presets():
     assert Qwen3MoeConfig.preset("tiny", num_hidden_layers=2).num_hidden_layers == 2
     with pytest.raises(KeyError, match="unknown preset"):
         Qwen3MoeConfig.preset("gpt5")
+
+
+def test_attention_bias_round_trips_through_transformers(tmp_path):
+    """attention_bias=True: q/k/v/o biases are in the table, so transformers reads them."""
+    model = tiny_model("mlp_only", attention_bias=True)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    hf = hf_twin(model, tmp_path)
+    s = random_seqs([13], model.config.vocab_size)[0]
+    with tk.use("torch"), torch.no_grad():
+        torch.testing.assert_close(model(s), hf(s[None]).logits[0], rtol=1e-4, atol=1e-5)
+    _params_equal(Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf_twin"), model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving over an existing checkpoint
+# ---------------------------------------------------------------------------------------------
+def _entries(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+@pytest.mark.parametrize("first, second", [(40_000, None), (None, 40_000)],
+                         ids=["sharded_then_single", "single_then_sharded"])
+def test_save_over_a_checkpoint_leaves_exactly_the_new_one(first, second, tmp_path):
+    """The second save replaces the first as a whole: no stale index or shard is left for
+    tonp or transformers to read; files that are not weights (a tokenizer) are kept."""
+    import transformers
+    old, new = tiny_model("mlp_only", seed=1), tiny_model("mlp_only", seed=2)
+    kw = lambda size: {} if size is None else dict(max_shard_size=size)  # noqa: E731
+    old.save_pretrained(tmp_path / "ckpt", **kw(first))
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    new.save_pretrained(tmp_path / "ckpt", **kw(second))
+    names = _entries(tmp_path / "ckpt")
+    if second is None:
+        assert names == ["config.json", "model.safetensors", "tokenizer.json"]
+    else:
+        assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    assert _entries(tmp_path) == ["ckpt"]                          # no temporary directory left
+    _params_equal(Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt"), new)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt")
+    theirs = _hf_state(hf)
+    for k, v in state_dict_hub(new).items():
+        assert torch.equal(theirs[k], v), k
+
+
+def test_save_refuses_weight_files_it_did_not_write(tmp_path):
+    old = tiny_model("mlp_only", seed=1)
+    old.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not ours")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin"):
+        tiny_model("mlp_only", seed=2).save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_failed_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    import safetensors.torch
+    old = tiny_model("mlp_only", seed=1)
+    old.save_pretrained(tmp_path / "ckpt", max_shard_size=40_000)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    calls = []
+
+    def fail_on_second_file(*args, **kw):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return save_file(*args, **kw)
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_second_file)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_model("mlp_only", seed=2).save_pretrained(tmp_path / "ckpt", max_shard_size=40_000)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert _entries(tmp_path) == ["ckpt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ambiguous or damaged checkpoint directories are refused by name
+# ---------------------------------------------------------------------------------------------
+def _saved(tmp_path, dtype=torch.float32, **kw):
+    """A saved tiny checkpoint dir and its tensors (hub names)."""
+    model = tiny_model("mlp_only", dtype=dtype)
+    model.save_pretrained(tmp_path, **kw)
+    return model, load_file(str(tmp_path / "model.safetensors")) if not kw else None
+
+
+def test_a_tensor_in_two_files_is_refused(tmp_path):
+    _, tensors = _saved(tmp_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({name: tensors[name]}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name} is defined in both .*extra\.safetensors.*"
+                                         rf"model\.safetensors"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+
+
+def test_an_index_beside_a_single_file_is_refused(tmp_path):
+    _saved(tmp_path / "a", max_shard_size=40_000)
+    _saved(tmp_path / "b")
+    for f in (tmp_path / "b").iterdir():
+        (tmp_path / "a" / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="both model.safetensors and model.safetensors.index"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path / "a")
+
+
+def test_fused_and_per_expert_tensors_of_one_layer_are_refused(tmp_path):
+    model, tensors = _saved(tmp_path)
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = model.layers[0].mlp.gate_up_proj.data
+    tensors["model.layers.0.mlp.experts.down_proj"] = model.layers[0].mlp.down_proj.data
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layer 0 has both fused \(model\.layers\.0\.mlp\."
+                                         r"experts\.gate_up_proj in .*\) and per-expert"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/tmp/abs.safetensors",
+                                    "sub/../../x.safetensors"])
+def test_index_entries_outside_the_directory_are_refused(target, tmp_path):
+    _saved(tmp_path, max_shard_size=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = target
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"maps {name} to '{target}', outside"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+
+
+def test_dtype_casts_are_exact_and_logged_or_refused(tmp_path, caplog):
+    """fp16 -> fp32 is exact (loaded, logged); fp16 -> bf16 and int64 -> float are refused,
+    naming the tensor and its file; fp32 -> bf16 is the bf16 model's own rounding."""
+    model, tensors = _saved(tmp_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    half = {k: (v.half() if k == name else v) for k, v in tensors.items()}
+    save_file(half, str(tmp_path / "model.safetensors"))
+    with caplog.at_level("INFO", logger="tonp_models.qwen3_moe.checkpoint_files"):
+        loaded = Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.layers[0].self_attn.q_proj.weight, half[name].float())
+    assert "1 tensors converted torch.float16 -> torch.float32 (exact)" in caplog.text
+    with pytest.raises(ValueError, match=rf"{name} in .*model\.safetensors is torch\.float16, "
+                                         rf"the model is torch\.bfloat16.*dtype=torch\.float32"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    save_file({**tensors, name: tensors[name].long()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"wrong dtype \(1\): {name} .* is I64"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    bf16 = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(bf16.layers[0].self_attn.q_proj.weight, tensors[name].bfloat16())
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    _, tensors = _saved(tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"non-finite \(1\): {name} in .*: 1 NaN / inf"):
+        Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config values that used to fail only at the first forward
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key, value, match", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be a bool"),
+    ("num_experts", 8.0, "num_experts=8.0 must be an int"),
+    ("num_experts_per_tok", True, "num_experts_per_tok=True must be a positive int"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan must be a finite number > 0"),
+    ("rope_theta", float("nan"), "rope_theta=nan must be a finite number > 0"),
+    ("rope_scaling", {"factor": 2.0}, r"rope_scaling=\{'factor': 2.0\} is not supported"),
+    ("head_dim", 12, "head_dim=12 must be a multiple of 8"),
+    ("reduction_chunks", 128, "reduction_chunks=128 must be a power of two in"),
+    ("hidden_size", -64, "hidden_size=-64 must be a positive int"),
+    ("vocab_size", 0, "vocab_size=0 must be a positive int"),
+    ("eos_token_id", -1, "eos_token_id=-1 must be a token id"),
+])
+def test_config_json_values_are_refused_by_name(key, value, match, tmp_path):
+    """Each value raises at Qwen3MoeConfig(...) and at from_hf (a config.json), not later."""
+    base = Qwen3MoeConfig.preset("tiny").to_hf()
+    base.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps({**base, key: value}))
+    with pytest.raises(ValueError, match=match):
+        Qwen3MoeConfig.from_hf(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        Qwen3MoeConfig.preset("tiny", **{key: value})
+
+
+def test_config_json_errors_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        Qwen3MoeConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not an object"):
+        Qwen3MoeConfig.from_hf(tmp_path)
+
+
+def test_missing_config_keys_mean_what_transformers_reads():
+    """A config.json without head_dim, norm_topk_prob, rope_theta, ...: tonp takes
+    transformers' defaults (hidden / heads, False, 10000, ...), not its own preset values."""
+    import transformers
+    d = dict(model_type="qwen3_moe", vocab_size=320, hidden_size=64, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32,
+             num_experts=8, num_experts_per_tok=2)
+    ours, theirs = Qwen3MoeConfig.from_hf(d), transformers.Qwen3MoeConfig(**d)
+    hf_attn = transformers.Qwen3MoeForCausalLM(theirs).model.layers[0].self_attn
+    assert ours.head_dim == hf_attn.head_dim == 16
+    for k in ("num_hidden_layers", "max_position_embeddings", "norm_topk_prob", "rms_norm_eps",
+              "decoder_sparse_step", "tie_word_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]

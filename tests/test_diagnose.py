@@ -1,8 +1,10 @@
 """The consistency diagnoser names the layer and op where two paths first diverge, and why.
 
 Each test injects one deliberate divergence on path B (a stock F.linear in one layer, a routing
-tie broken the other way, a collective summed in another order, a cast to bfloat16) and checks
-the diagnosis; unmodified paths must report "no divergence" (decode equals the full pass).
+tie broken the other way, a collective summed in another order, a cast to bfloat16, the fused
+expert op on stock kernels) and checks the diagnosis; unmodified paths must report "no
+divergence" (decode equals the full pass). The capture observes through forward hooks and the
+layers' probe seam only: nothing is patched, and other threads' forwards are not recorded.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import copy
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -18,12 +21,13 @@ from torch import nn
 
 import tonp_kernels as tk
 from tonp_models import diagnose as dg
+from tonp_models.layers import probe as seam
 from tonp_models.diagnose.__main__ import main as cli_main
+from tonp_models.diagnose.compare import align
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import invariant_built, random_seqs, tiny_model  # noqa: E402
+from model_helpers import random_seqs, tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not invariant_built(), reason="tonp_kernels C++ ops not built")
 
 # tiny "mlp_only": layer 0 MoE, layer 1 dense MLP, layer 2 MoE.
 LENGTHS = (7, 4, 9)
@@ -60,13 +64,110 @@ def test_no_divergence_train_decode_padded(model, seqs, reference, tmp_path):
 def test_every_op_boundary_is_captured(reference):
     ops = {op for _, op in reference.op_order()}
     assert {"embed", "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
-            "q_rope", "k_rope", "attn.k", "attn.v", "attention", "o_proj", "residual",
-            "post_attention_layernorm", "router_logits", "route.ids", "route.weights",
-            "expert.gate_up", "expert.act", "expert.down", "combine", "gate_proj", "up_proj",
-            "mlp.act", "down_proj", "layer_out", "final_norm", "logits", "logprobs"} <= ops
-    # one row per (token, chosen expert)
-    keys, _, _ = reference.gather(0, "expert.down")
+            "q_rope", "k_rope", "self_attn.k", "self_attn.v", "self_attn.attention", "o_proj",
+            "residual", "post_attention_layernorm", "mlp.router_logits", "mlp.route.ids",
+            "mlp.route.weights", "mlp.expert.gate_up", "mlp.expert.act", "mlp.expert.down",
+            "mlp.experts", "mlp.combine", "gate_proj", "up_proj", "mlp.act", "down_proj",
+            "layer_out", "final_norm", "logits", "logprobs"} <= ops
+    # one row per (token, chosen expert); the fused op's rows are the per-expert path's bits
+    keys, down, _ = reference.gather(0, "mlp.expert.down")
     assert keys.shape[0] == sum(LENGTHS) * 2 and bool((keys[:, 2] >= 0).all())
+    ra, rb, only_a, only_b = align(keys, reference.gather(0, "mlp.experts")[0])
+    assert only_a == only_b == 0
+    assert torch.equal(down[ra], reference.gather(0, "mlp.experts")[1][rb])
+
+
+def test_probe_seam_is_one_cheap_hook_per_context():
+    """probe() does nothing without a hook; the innermost hook of this thread gets every call
+    with its meta; another thread sees none; wants_detail() is the hook's own choice."""
+    seen = []
+    assert not seam.probing() and not seam.wants_detail()
+    seam.probe("x", torch.zeros(1))                       # no hook: nothing happens
+    outer, inner = (lambda *a, **k: seen.append(("outer", a[0]))), \
+        (lambda op, v, **meta: seen.append(("inner", op, meta)))
+    seam.push_hook(outer)
+    seam.push_hook(inner, detail=True)
+    try:
+        assert seam.probing() and seam.wants_detail()
+        seam.probe("a", torch.zeros(1), kind="route")
+        other = []
+        t = threading.Thread(target=lambda: other.append((seam.probing(), seam.wants_detail())))
+        t.start()
+        t.join()
+        assert other == [(False, False)]
+        seam.pop_hook(inner)
+        assert seam.probing() and not seam.wants_detail()
+        seam.probe("b", torch.zeros(1))
+    finally:
+        seam.pop_hook(outer)
+    assert seen == [("inner", "a", {"kind": "route"}), ("outer", "b")]
+    assert not seam.probing()
+    with pytest.raises(ValueError, match="not installed"):
+        seam.pop_hook(outer)
+
+
+def test_capture_patches_nothing_and_records_only_its_thread(model, seqs):
+    """A Capture uses forward hooks and the probe seam only: no module global, tonp_parallel
+    function or instance attribute is replaced, and forwards of other threads are not recorded."""
+    import tonp_parallel
+    from tonp_models.layers.moe import SparseMoeBlock
+    reduce = tonp_parallel.reduce_from_region
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    before = [dict(vars(b)) for b in blocks]
+    ids = torch.cat(seqs)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad(), dg.Capture(model, "x") as cap:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("tonp_models.") and hasattr(mod, "tk"):
+                assert mod.tk is tk, name
+        assert tonp_parallel.reduce_from_region is reduce
+        assert [{k: v for k, v in vars(b).items() if not k.endswith("hooks")} for b in blocks] \
+            == [{k: v for k, v in b0.items() if not k.endswith("hooks")} for b0 in before]
+        cap.begin_forward([i for i, n in enumerate(LENGTHS) for _ in range(n)],
+                          [j for n in LENGTHS for j in range(n)])
+        t = threading.Thread(target=model, args=(ids, cu))
+        t.start()
+        t.join()
+        assert cap.trace.records == []
+        model(ids, cu)
+    assert len(cap.trace.records) > 60
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_detail_off_observes_the_fused_op_only(model, seqs, reference):
+    """Without detail the MoE block runs its fused op alone: its per (token, expert) rows are
+    still compared ('mlp.experts'), the per-expert steps are not captured."""
+    lean = dg.run_path(model, seqs, "decode", prompt_lens=[2], detail=False)
+    ops = {op for _, op in lean.op_order()}
+    assert "mlp.experts" in ops and not any(op.startswith("mlp.expert.") for op in ops)
+    diag = dg.compare_traces(reference, lean)
+    assert diag.first is None and diag.logdiff == 0.0, dg.format_text(diag)
+    assert "layer 0 mlp.expert.gate_up" in diag.one_sided["a"]
+
+
+def test_fused_expert_op_alone_diverges(model, seqs, reference, monkeypatch):
+    """Path B's fused expert op on stock kernels while its per-expert reference path stays
+    invariant: "operator arithmetic" at layer 0 mlp.experts, after equal per-expert steps."""
+    fused = tk.moe_experts
+    block = model.layers[0].mlp
+    x = torch.randn(5, block.gate_up_proj.shape[2])
+    ids = torch.tensor([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]])
+    args = (x, ids, block.gate_up_proj.detach(), block.down_proj.detach())
+    with tk.use("torch"):
+        stock = fused(*args)
+    assert not torch.equal(stock, fused(*args)), "precondition: stock experts must differ"
+
+    def stock_fused(*a, **kw):
+        with tk.use("torch"):
+            return fused(*a, **kw)
+
+    monkeypatch.setattr(tk, "moe_experts", stock_fused)
+    diag = dg.compare_traces(reference, dg.run_path(model, seqs, "train", label="B"))
+    f = diag.first
+    assert (f.layer, f.op, f.classification) == (0, "mlp.experts", dg.OPERATOR), \
+        dg.format_text(diag)
+    equal = {o.op for o in diag.ops if o.layer == 0 and not o.rows_differing}
+    assert {"mlp.expert.gate_up", "mlp.expert.act", "mlp.expert.down"} <= equal
 
 
 def test_stock_linear_in_one_layer(model, seqs, reference, monkeypatch):
@@ -114,7 +215,8 @@ def test_routing_tie_broken_the_other_way(seqs, monkeypatch):
     monkeypatch.setattr(tk, "moe_route", ties_to_higher_id)
     diag = dg.compare_traces(a, dg.run_path(model, seqs, "train", label="B"))
     f = diag.first
-    assert (f.layer, f.op, f.classification) == (2, "route.ids", dg.ROUTING), dg.format_text(diag)
+    assert (f.layer, f.op, f.classification) == (2, "mlp.route.ids", dg.ROUTING), \
+        dg.format_text(diag)
     assert f.rows_differing == sum(LENGTHS)
     assert "routing decision flipped" in dg.format_text(diag)
 
@@ -132,9 +234,9 @@ class FourRankRowParallel(nn.Module):
         parts = [tk.linear_partial(x[:, r * k:(r + 1) * k].contiguous(),
                                    self.weight[:, r * k:(r + 1) * k].contiguous(),
                                    chunks=self.chunks // 4) for r in range(4)]
-        dg.probe("partial", torch.stack(parts, 1), kind="partial")             # (T, 4, N)
+        seam.probe("partial", torch.stack(parts, 1), kind="partial")           # (T, 4, N)
         y = self.reduce(parts)
-        dg.probe("reduce", y, kind="collective")
+        seam.probe("reduce", y, kind="collective")
         return y.to(x.dtype)
 
 
@@ -177,10 +279,10 @@ def test_two_checkpoints(model, seqs, tmp_path):
         other.layers[2].mlp.gate[1, 0] += 0.01
     diag = dg.diagnose(model, seqs, "train", "train", model_b=other, out_dir=str(tmp_path))
     f = diag.first
-    assert (f.layer, f.op, f.classification) == (2, "router_logits", dg.WEIGHTS), \
+    assert (f.layer, f.op, f.classification) == (2, "mlp.router_logits", dg.WEIGHTS), \
         dg.format_text(diag)
     assert "layers.2.mlp.gate" in f.detail
-    assert json.load(open(tmp_path / "diagnosis.json"))["first"]["op"] == "router_logits"
+    assert json.load(open(tmp_path / "diagnosis.json"))["first"]["op"] == "mlp.router_logits"
 
 
 def _external_file(model, seqs, path, perturb):
@@ -272,8 +374,8 @@ def _ep_layouts_rank(ckpt):
             diag = dg.compare_traces(a, b)
             out[name] = dict(first=diag.first, logdiff=diag.logdiff, ops=len(diag.ops),
                              mismatch=b.meta.get("rank_mismatch"),
-                             expert_rows=[t.gather(0, "expert.down")[0] for t in (a, b)])
-    local = SparseMoeBlock._run_local_experts
+                             expert_rows=[t.gather(0, "mlp.expert.down")[0] for t in (a, b)])
+    local = SparseMoeBlock._experts
 
     def stock_on_second_half(self, *args):  # experts 4..7 live on EP rank 1
         if self.first_expert == 0:
@@ -281,11 +383,11 @@ def _ep_layouts_rank(ckpt):
         with tk.use("torch"):
             return local(self, *args)
 
-    SparseMoeBlock._run_local_experts = stock_on_second_half
+    SparseMoeBlock._experts = stock_on_second_half   # a fault injected for the test
     try:
         b = dg.run_layout(ckpt, seqs, dg.PathSpec.parse("train,ep=2"))
     finally:
-        SparseMoeBlock._run_local_experts = local
+        SparseMoeBlock._experts = local
     if a is not None:
         out["perturbed"] = dg.compare_traces(a, b).first
     return out if a is not None else None
@@ -295,7 +397,7 @@ def test_ep2_layout_equals_single_process(tmp_path):
     """Expert rows received from the other EP rank are named by the sender's dispatch record and
     merged on rank 0: EP 2 decode and TP 2 x EP 2 equal one process op by op (expert rows
     included); rank 1's experts on stock kernels -> "operator arithmetic" at layer 0
-    expert.gate_up, on rows of experts 4..7 only."""
+    mlp.expert.gate_up, on rows of experts 4..7 only."""
     from dist_utils import run_distributed
     model = tiny_model("mlp_only", seed=3, num_hidden_layers=2, mlp_only_layers=[])
     model.save_pretrained(tmp_path / "ckpt")
@@ -308,5 +410,22 @@ def test_ep2_layout_equals_single_process(tmp_path):
         assert ka.shape[0] == 14 * 2 and sorted(ka.tolist()) == sorted(kb.tolist()), name
     f = out["perturbed"]
     assert f is not None and (f.layer, f.op, f.classification) == \
-        (0, "expert.gate_up", dg.OPERATOR), f
+        (0, "mlp.expert.gate_up", dg.OPERATOR), f
     assert f.positions and all(e >= 4 for _, _, e in f.positions)
+
+
+def test_moe_probes_with_no_rows(model):
+    """A forward (or an EP rank's receipt) with no rows reports empty values, not an error."""
+    block = model.layers[0].mlp
+    seen = []
+
+    def hook(op, value, **meta):
+        seen.append((op, tuple(value.shape)))
+
+    seam.push_hook(hook, detail=True)
+    try:
+        with torch.no_grad():
+            y = block(torch.zeros(0, block.gate_up_proj.shape[2]))
+    finally:
+        seam.pop_hook(hook)
+    assert y.shape == (0, 64) and ("experts", (0, 64)) in seen and ("combine", (0, 64)) in seen

@@ -12,6 +12,11 @@
 """
 from __future__ import annotations
 
+import copy
+import math
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -242,3 +247,187 @@ def test_bad_input_raises_clear_errors():
             generate(model, [ok], 4, **bad)
     with pytest.raises(ValueError, match="request_ids"):
         generate(model, [ok, ok], 4, request_ids=[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardening (issue 16): every bad argument named, no NaN out, TP ranks checked
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1e-300, 1e-45, 1e-39, -1e-300, -0.5, math.nan, math.inf, 1e39])
+def test_temperatures_fp32_cannot_carry_are_refused(t):
+    """1e-300 and 1e-45 pass a `> 0` check but are 0 or a denormal in the kernels' fp32."""
+    model, got = tiny_model(torch.float32), rf"got {re.escape(str(t))}$"
+    with pytest.raises(ValueError, match="generate: temperature must be .*" + got):
+        generate(model, [[1, 2, 3]], 2, temperature=t)
+    with pytest.raises(ValueError, match="token_logprobs: temperature must be .*" + got):
+        model.token_logprobs([torch.tensor([1, 2, 3])], temperature=t)
+    with pytest.raises(ValueError, match="token_logprobs: temperature 0 means greedy"):
+        model.token_logprobs([torch.tensor([1, 2, 3])], temperature=0.0)
+
+
+def test_temperature_whose_division_overflows_raises_instead_of_nan():
+    """The smallest normal fp32 temperature is valid, but logits / T overflow: an error names
+    it (the logprobs would be NaN)."""
+    model = tiny_model(torch.float32)
+    with pytest.raises(ValueError, match="divided by the temperature overflow fp32"):
+        generate(model, [[1, 2, 3]], 2, temperature=torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("where", ["lm_head", "layer"])
+@pytest.mark.parametrize("sampling", ["greedy", "T1"])
+def test_non_finite_logits_raise_naming_the_first(where, sampling):
+    model = copy.deepcopy(tiny_model(torch.float32))
+    with torch.no_grad():
+        if where == "lm_head":       # vocab id 7 is NaN in every row
+            model.lm_head.weight[7] = math.nan
+        else:                        # every logit NaN
+            model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
+    v = 7 if where == "lm_head" else 0
+    with pytest.raises(RuntimeError, match=rf"request 0, position 4, vocab id {v} is nan"):
+        generate(model, [[1, 2, 3, 4, 5], [6, 7]], 3, **SAMPLINGS[sampling])
+
+
+BAD_ARGS = [  # (generate keyword arguments, exception, message)
+    (dict(top_k=1.5), TypeError, "top_k must be an integer, got 1.5"),
+    (dict(top_k=True), TypeError, "top_k must be an integer, got True"),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer, got True"),
+    (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an integer"),
+    (dict(top_p="0.9"), TypeError, "top_p must be a real number, got '0.9'"),
+    (dict(top_p=math.nan), ValueError, r"top_p must be in \(0, 1\], got nan"),
+    (dict(temperature="1"), TypeError, "temperature must be a real number"),
+    (dict(temperature=True), TypeError, "temperature must be a real number"),
+    (dict(seed=1.5), TypeError, "seed must be an integer, got 1.5"),
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 18446744073709551616\), got -1"),
+    (dict(seed=2**64), ValueError, "seed must be in"),
+    (dict(max_batch_size=2.0), TypeError, "max_batch_size must be an integer"),
+    (dict(max_batch_size=True), TypeError, "max_batch_size must be an integer"),
+    (dict(num_pages=4.0), TypeError, "num_pages must be an integer"),
+    (dict(num_pages=False), TypeError, "num_pages must be an integer"),
+    (dict(request_ids=[0.0, 1.0]), TypeError, r"request_ids\[0\] must be an integer, got 0.0"),
+    (dict(request_ids=[3, 3]), ValueError, r"request_ids must be distinct.*\[3\]"),
+    (dict(request_ids=[0, -1]), ValueError, r"request_ids\[1\] must be in"),
+    (dict(eos_token_id=2.0), TypeError, "eos_token_id must be an integer, got 2.0"),
+    (dict(eos_token_id=True), TypeError, "eos_token_id must be an integer"),
+    (dict(stop_token_ids=[5, "6"]), TypeError, r"stop_token_ids\[1\] must be an integer"),
+    (dict(stop_token_ids=np.array([1.0])), TypeError, r"stop_token_ids\[0\] must be an integ"),
+    (dict(progress="yes"), TypeError, "progress must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", BAD_ARGS, ids=[str(a[0]) for a in BAD_ARGS])
+def test_bad_arguments_are_refused_by_name(kw, exc, match):
+    model = tiny_model(torch.float32)
+    with pytest.raises(exc, match=match):
+        generate(model, **{"prompts": [[1, 2, 3], [4, 5]], "max_new_tokens": 3, **kw})
+
+
+def test_integer_like_arguments_are_accepted_with_the_same_result():
+    model = tiny_model(torch.float32)
+    ps = prompts()[:3]
+    free = generate(model, ps, NEW, temperature=1.0, seed=7)
+    eos = int(free.completions[0][2])
+    want = generate(model, ps, NEW, temperature=1.0, seed=7, eos_token_id=eos, top_k=300)
+    assert want.finish_reasons[0] == "eos"
+    for form in (np.int64(eos), torch.tensor(eos), [np.int32(eos)], torch.tensor([eos]),
+                 (eos,), np.array([eos]), {eos}):
+        got = generate(model, ps, np.int64(NEW), temperature=np.float32(1.0), seed=np.uint64(7),
+                       eos_token_id=form, top_k=torch.tensor(300), request_ids=torch.arange(3),
+                       max_batch_size=np.int8(2), num_pages=torch.tensor(10**9))
+        assert_same_rollouts(got, want, f"eos_token_id={form!r}")
+        assert got.finish_reasons == want.finish_reasons
+    # top_k beyond the vocabulary restricts nothing (it does not overflow the kernel's int64).
+    assert_same_rollouts(generate(model, ps, NEW, temperature=1.0, seed=7, eos_token_id=eos,
+                                  top_k=10**30), want, "top_k=10**30")
+
+
+def test_token_logprobs_refuses_bad_arguments_by_name():
+    model = tiny_model(torch.float32)
+    seq = torch.tensor([1, 2, 3])
+    for kw, exc, match in [
+            (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+            (dict(micro_batch_size=1.5), TypeError, "micro_batch_size must be an integer"),
+            (dict(micro_batch_size=True), TypeError, "micro_batch_size must be an integer"),
+            (dict(packed="no"), TypeError, "packed must be True or False")]:
+        with pytest.raises(exc, match=match):
+            model.token_logprobs([seq], **kw)
+    for seqs, exc, match in [
+            ([torch.tensor([1.0, 2.7])], TypeError, "sequence 0 must be a 1-D sequence of int"),
+            ([seq, [1, 2.5]], TypeError, "sequence 1 must be a 1-D sequence of integer"),
+            ([torch.tensor([True, False])], TypeError, "sequence 0 must be a 1-D sequence"),
+            ([[1, True]], TypeError, "sequence 0 must be a 1-D sequence of integer"),
+            ([seq.view(1, 3)], TypeError, "sequence 0 must be a 1-D sequence"),
+            (seq, TypeError, "wrap it in a list"),
+            ([seq, [1, 320]], IndexError, r"sequence 1 holds token ids \[320\]")]:
+        with pytest.raises(exc, match=match):
+            model.token_logprobs(seqs)
+    want = model.token_logprobs([seq, torch.tensor([4, 5])])
+    for got in (model.token_logprobs([[1, 2, 3], np.array([4, 5])], micro_batch_size=np.int64(1)),
+                model.token_logprobs(torch.tensor([[1, 2, 3], [4, 5, 6]]))[:1] + want[1:]):
+        assert_bitwise(tuple(got), tuple(want), "integer-like sequences")
+
+
+class _DivergingModel:
+    """The model, except that this rank's logits are reversed at the second forward: a TP rank
+    whose rollout diverges mid-way (generate takes anything with forward/new_cache/config)."""
+
+    def __init__(self, model, diverge: bool):
+        self.model, self.config, self.groups, self.diverge = model, model.config, model.groups, \
+            diverge
+        self.parameters, self.new_cache, self.calls = model.parameters, model.new_cache, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        out = self.model(*args, **kwargs)
+        return out.flip(-1) if self.diverge and self.calls == 2 else out
+
+
+def _tp_mismatch_rank():
+    """TP 2 over 2 gloo ranks: each case's error text on this rank (None = returned)."""
+    import tonp_parallel as tpar
+    g = tpar.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model, r = Qwen3MoeForCausalLM(_config(), groups=g).eval(), g.tp_rank
+    base = [[1, 2, 3, 4], [5, 6]]
+    cases = {
+        "same": lambda: generate(model, base, 3, temperature=1.0, seed=3),
+        "same_length_other_prompt": lambda: generate(model, [[1, 2, 3, 4 + r], [5, 6]], 3),
+        "other_length": lambda: generate(model, [[1, 2, 3, 4][:4 - r], [5, 6]], 3),
+        "other_setting": lambda: generate(model, base, 3, temperature=1.0, seed=r),
+        "refused_on_rank_1": lambda: generate(model, base if r == 0 else [[1, 999]], 3),
+        "diverged": lambda: generate(_DivergingModel(model, r == 1), base, 3),
+        "scored_same": lambda: model.token_logprobs([torch.tensor(p) for p in base]),
+        "scored_other": lambda: model.token_logprobs([torch.tensor([1, 2, 3 + r])]),
+        "scored_other_length": lambda: model.token_logprobs([torch.arange(1, 4 + r)]),
+        "same_again": lambda: generate(model, base, 3, temperature=1.0, seed=3),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            out[name] = call()
+        except Exception as e:  # noqa: BLE001 -- the test compares every rank's error
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_tp_ranks_given_different_calls_raise_on_every_rank():
+    """Same-length and different-length prompts, other settings, one rank's bad input, and a
+    rollout that diverges mid-way: every rank raises naming TP rank 1 (no gloo size mismatch,
+    no hang, no rank 0's completion returned on rank 1); equal calls pass and agree, and the
+    group works after the errors."""
+    from dist_utils import run_distributed
+    ranks = run_distributed(_tp_mismatch_rank, 2, timeout=120)
+    for name in ("same", "same_again"):
+        assert_same_rollouts(ranks[1][name], ranks[0][name], f"{name}: rank 1 vs rank 0")
+    assert_same_rollouts(ranks[0]["same_again"], ranks[0]["same"], "the group after errors")
+    assert_bitwise(tuple(ranks[1]["scored_same"]), tuple(ranks[0]["scored_same"]))
+    for name, who, what in [
+            ("same_length_other_prompt", "generate", "call"), ("other_length", "generate", "call"),
+            ("other_setting", "generate", "call"), ("diverged", "generate", "result"),
+            ("scored_other", "token_logprobs", "call"),
+            ("scored_other_length", "token_logprobs", "call")]:
+        for rank, res in enumerate(ranks):
+            assert isinstance(res[name], str) and res[name].startswith(
+                f"RuntimeError: {who}: TP rank(s) [1] (global rank(s) [1]) got a different "
+                f"{what}"), f"{name}, rank {rank}: {res[name]!r}"
+    assert ranks[1]["refused_on_rank_1"].startswith("IndexError: generate: prompt 0 holds")
+    assert ranks[0]["refused_on_rank_1"].startswith(
+        "RuntimeError: generate: TP rank(s) [1] (global rank(s) [1]) refused their arguments")

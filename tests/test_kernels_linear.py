@@ -105,6 +105,25 @@ def test_tp_subtree_partials_finish_to_the_same_bits(K, dtype, gen):
         assert_bitwise(tk.tree_sum(torch.stack(parts)), summed, "tree_sum of a stacked tensor")
 
 
+def test_tree_sum_is_the_fixed_pairwise_tree_for_any_count(gen):
+    """Level by level, an odd last node carried up (the cross-rank sum of tonp_parallel uses the
+    same function); in_place accumulates into the left operands with the same bits."""
+    p = [randn(257, gen=gen, scale=10.0 ** (i % 5)) for i in range(8)]  # magnitudes: order shows
+    want = {1: p[0], 2: p[0] + p[1], 3: (p[0] + p[1]) + p[2],
+            5: ((p[0] + p[1]) + (p[2] + p[3])) + p[4],
+            6: ((p[0] + p[1]) + (p[2] + p[3])) + (p[4] + p[5]),
+            7: ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + p[6]),
+            8: ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))}
+    assert not torch.equal(want[8], (((p[0] + p[1]) + p[2]) + p[3]) + (p[4] + p[5] + p[6] + p[7]))
+    for n, expected in want.items():
+        assert_bitwise(tk.tree_sum(p[:n]), expected, f"tree_sum of {n}")
+        assert_bitwise(tk.tree_sum(torch.stack(p[:n])), expected, f"stacked tree_sum of {n}")
+        copies = [t.clone() for t in p[:n]]
+        got = tk.tree_sum(copies, in_place=True)
+        assert_bitwise(got, expected, f"in-place tree_sum of {n}")
+        assert got.data_ptr() == copies[0].data_ptr(), "accumulates into the first partial"
+
+
 def test_chunks_one_is_a_single_sequential_chain(gen):
     """chunks=1 is a valid tree (one chunk); it must still be row-invariant."""
     K, N = 96, 24
@@ -251,8 +270,8 @@ def test_bad_inputs_raise_clear_errors(gen):
         tk.linear(torch.empty(3, 64, device="meta"), torch.empty(16, 64, device="meta"))
     with pytest.raises((ValueError, RuntimeError), match="(?i)bias"):
         tk.linear(randn(3, 64, gen=gen), randn(16, 64, gen=gen), randn(15, gen=gen))
-    with pytest.raises(ValueError, match="power-of-two"):
-        tk.tree_sum([torch.zeros(2)] * 3)
+    with pytest.raises(ValueError, match="no partials"):
+        tk.tree_sum([])
 
 
 def test_torch_compile_through_the_op(gen):

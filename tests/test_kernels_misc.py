@@ -4,7 +4,7 @@ rms_norm, silu_mul, moe_route and moe_combine: row invariance (any batch, order,
 accuracy and gradients against the reference, ties in the router, odd layouts, errors.
 The elementwise torch ops of the model (RoPE's mul/add/cat, residual adds) are checked to be
 row-invariant as they stand; stock F.silu is not (its vector and scalar tails round
-differently: the twin). The mode switch, and the AVX2 path against the portable scalar path.
+differently: the twin). The AVX2 path against the portable scalar path, and tk.isa().
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tonp_kernels as tk
 from tonp_kernels import reference
@@ -277,27 +276,6 @@ def test_rope_op_equals_the_torch_expression(dtype, gen):
         op(x, pos[:3])
 
 
-# --- the mode switch ----------------------------------------------------------------------------
-def test_mode_switch(gen):
-    assert tk.get_mode() == "invariant"
-    x, w = randn(4, 16, gen=gen, scale=4.0), randn(16, gen=gen)
-    with tk.use("torch"):
-        assert tk.get_mode() == "torch"
-        assert_bitwise(tk.silu_mul(x, x), F.silu(x) * x, "torch mode is stock")
-        with tk.use("invariant"):
-            assert tk.get_mode() == "invariant"
-        assert tk.get_mode() == "torch"
-    assert tk.get_mode() == "invariant"
-    tk.use("torch")                      # the global setter
-    try:
-        assert tk.get_mode() == "torch"
-    finally:
-        tk.use("invariant")
-    assert tk.get_mode() == "invariant"
-    with pytest.raises(ValueError, match="mode must be one of"):
-        tk.use("fast")
-
-
 def test_bad_inputs_raise_clear_errors(gen):
     x = randn(3, 16, gen=gen)
     with pytest.raises(ValueError, match="does not match"):
@@ -327,12 +305,38 @@ def test_bad_inputs_raise_clear_errors(gen):
 
 
 # --- the AVX2 path against the portable scalar path ----------------------------------------------
-def _portable_switch_exists() -> bool:
-    csrc = Path(tk.__file__).parent / "csrc"
-    if not csrc.is_dir():
-        return True  # an installed build: trust the switch
-    return any("TONP_FORCE_PORTABLE" in p.read_text(errors="ignore")
-               for p in csrc.iterdir() if p.suffix in (".cpp", ".h", ".hpp", ".cc"))
+def _cpu_flags() -> set:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: ask torch (its AVX2 level requires FMA too)
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {"avx2", "fma"} if cap in ("AVX2", "AVX512") else set()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def _native_isa() -> str:
+    """The table a plain run picks: avx512bf16 where the CPU has AVX512-F/BW/VL/BF16 (its
+    instruction self-checked at load), avx2 with AVX2 + FMA, else portable."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags():
+        return "avx512bf16"
+    return "avx2" if _cpu_has_avx2_fma() else "portable"
+
+
+def test_isa_reports_the_kernel_table_in_use():
+    """tk.isa() names the table the ops run: the CPU's best build (above), AVX2 under
+    TONP_FORCE_AVX2=1, the portable build under TONP_FORCE_PORTABLE=1 (read at each call)."""
+    with env("TONP_FORCE_PORTABLE", None), env("TONP_FORCE_AVX2", None):
+        assert tk.isa() == _native_isa()
+        assert torch.ops.tonp.isa() == tk.isa()
+        if _cpu_has_avx2_fma():
+            with env("TONP_FORCE_AVX2", "1"):
+                assert tk.isa() == "avx2"
+    with env("TONP_FORCE_PORTABLE", "1"):
+        assert tk.isa() == "portable"
+    assert torch.ops.tonp.isa() == tk.isa()
 
 
 def _every_op(dtype, gen):
@@ -344,24 +348,39 @@ def _every_op(dtype, gen):
     kc, vc = k[:48].reshape(3, 16, 2, 64), v[:48].reshape(3, 16, 2, 64)
     pt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
     ids = torch.arange(37)
-    return [tk.linear(x, w), tk.linear_partial(x[:, :128], w[:, :128], chunks=4),
+    table = torch.randn(64, 64, generator=gen)
+    experts = torch.randint(0, 4, (37, 2), generator=gen)
+    gate_up, down = randn(4, 48, 64, dtype=dtype, gen=gen), randn(4, 64, 24, dtype=dtype, gen=gen)
+    return [tk.linear(x, w), tk.linear(x[:1], w),
+            tk.linear_partial(x[:, :128], w[:, :128], chunks=4),
             tk.rms_norm(x[:, :40], x[0, :40], 1e-6), tk.silu_mul(x[:, :37], x[:, 37:74]),
             tk.attention_varlen(q, k, v, cu, scale=0.125, block=16),
             tk.attention_paged(q[:48], kc, vc, pt, torch.zeros(48, dtype=torch.int32),
                                torch.arange(48), scale=0.125),
-            *tk.lse_partial(x, chunks=8), *tk.max_with_index(x),
+            tk.rope(q, table, table.flip(0), ids.repeat(2)[:53]),
+            *tk.lse_partial(x, chunks=8), *tk.max_with_index(x), tk.argmax(x),
+            tk.token_logprobs(x, ids, temperature=0.7), tk.log_softmax(x, temperature=1.3),
             tk.sample(x, temperature=0.8, seed=5, request_ids=ids, positions=ids, top_p=0.9),
             *tk.moe_route(x[:, :64], 8, True),
-            tk.moe_combine(torch.softmax(x[:, :8].float(), -1), x[:, :8 * 24].reshape(37, 8, 24))]
+            tk.moe_combine(torch.softmax(x[:, :8].float(), -1), x[:, :8 * 24].reshape(37, 8, 24)),
+            tk.moe_experts(x[:, :64], experts, gate_up, down)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_avx2_and_portable_paths_give_the_same_bits(dtype):
-    if not _portable_switch_exists():
-        pytest.xfail("TONP_FORCE_PORTABLE is not implemented in kernels/csrc yet")
-    with env("TONP_FORCE_PORTABLE", None):
-        fast = _every_op(dtype, torch.Generator().manual_seed(5))
+    """Every build this CPU has (its native one, AVX2, portable) gives every op the same bits."""
+    if not _cpu_has_avx2_fma():
+        pytest.skip("this CPU has no AVX2 + FMA: the portable kernels are the only ones here")
+    with env("TONP_FORCE_PORTABLE", None), env("TONP_FORCE_AVX2", None):
+        assert tk.isa() == _native_isa()
+        native = _every_op(dtype, torch.Generator().manual_seed(5))
+        with env("TONP_FORCE_AVX2", "1"):
+            assert tk.isa() == "avx2"
+            fast = _every_op(dtype, torch.Generator().manual_seed(5))
     with env("TONP_FORCE_PORTABLE", "1"):
+        assert tk.isa() == "portable"
         portable = _every_op(dtype, torch.Generator().manual_seed(5))
-    for i, (a, b) in enumerate(zip(fast, portable)):
+    for i, (a, b) in enumerate(zip(native, fast, strict=True)):
+        assert_bitwise(b, a, f"op #{i} ({dtype}) AVX2 vs {_native_isa()}")
+    for i, (a, b) in enumerate(zip(fast, portable, strict=True)):
         assert_bitwise(b, a, f"op #{i} ({dtype}) portable vs AVX2")

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason="megatron-core is an optional extra (tonp[megatron])")
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
 
@@ -284,13 +284,21 @@ def _megatron_own_model(config):
     return sd, x, [t.contiguous() for t in qkv], mlp, expert
 
 
-def _tp2(mode, tp=2, ep=1):
+def _layout(mode, tp=1, ep=1, name="mlp_only", **ps_kw):
+    """Under megatron's parallel_state at (tp, ep): the tonp-spec block's logits next to the TP-1
+    model's, this rank's expert range, and megatron's dist-checkpointing view of the shards
+    (megatron's own integrity check: every global tensor covered once; each shard's bytes
+    against the global tensor's region)."""
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                             validate_sharding_integrity)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 **ps_kw)
     with tk.use(mode):
-        model = tiny_model("mlp_only")                        # TP 1, the same weights on each rank
+        model = tiny_model(name)                              # TP 1, the same weights on each rank
         tc = transformer_config_from_qwen3(model.config, tensor_model_parallel_size=tp,
-                                           expert_model_parallel_size=ep)
+                                           expert_model_parallel_size=ep, **ps_kw)
         block = _block(model, tc, pgs=None)                   # groups from parallel_state
         _load(block, model.state_dict())
         seqs = random_seqs([9, 9], model.config.vocab_size, seed=6)
@@ -299,48 +307,95 @@ def _tp2(mode, tp=2, ep=1):
             ref = model(ids, cu)
             h = model.embed_tokens(torch.stack(seqs)).transpose(0, 1).contiguous()
             got = _logits(model, block, h).transpose(0, 1).reshape(ref.shape)
-        local_heads = block.layers[0].self_attention.local_heads
-        # megatron dist-checkpointing sees the shards with their global shapes
         sharded = block.sharded_state_dict()
-        shapes = {k: tuple(sharded[k].global_shape) for k in (
-            "layers.0.self_attention.q_proj.weight", "layers.0.self_attention.o_proj.weight",
-            "layers.1.mlp.down_proj.weight", "layers.0.mlp.gate_up_proj")}
+        validate_sharding_integrity(determine_global_metadata(sharded)[1])  # raises on rank 0
+        full = mc.tonp_to_spec(model.state_dict(), block_only=True)
+        wrong = []
+        for k, st in sharded.items():
+            if isinstance(st, ShardedTensor):
+                region = tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.local_shape))
+                if tuple(full[k].shape) != st.global_shape or not torch.equal(full[k][region],
+                                                                              st.data):
+                    wrong.append(k)
+        moe = block.layers[0].mlp
+        out = dict(got=got, ref=ref, wrong=wrong, heads=block.layers[0].self_attention.local_heads,
+                   experts=(moe.first_expert, moe.local_experts),
+                   shapes={k: tuple(sharded[k].global_shape) for k in SHAPE_KEYS if k in sharded})
     ps.destroy_model_parallel()
-    return got, ref, (local_heads, shapes)
+    return out
 
 
-def test_tp2_under_megatron_parallel_state_equals_tp1(spawned):
+SHAPE_KEYS = ("layers.0.self_attention.q_proj.weight", "layers.0.self_attention.k_proj.weight",
+              "layers.0.self_attention.o_proj.weight", "layers.1.mlp.down_proj.weight",
+              "layers.0.mlp.gate_up_proj")
+GLOBAL_SHAPES = {"layers.0.self_attention.q_proj.weight": (64, 64),
+                 "layers.0.self_attention.k_proj.weight": (32, 64),
+                 "layers.0.self_attention.o_proj.weight": (64, 64),
+                 "layers.1.mlp.down_proj.weight": (64, 128),
+                 "layers.0.mlp.gate_up_proj": (8, 64, 64)}
+LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2, expert_tensor_parallel_size=1),
+           "tp2_ep2": dict(tp=2, ep=2, expert_tensor_parallel_size=1)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_parallel_layout_equals_tp1(spawned, layout):
+    """TP 2, EP 2 and TP 2 x EP 2 under megatron's parallel_state: the tonp-spec block gives the
+    TP-1 model's logits bit for bit; each EP rank holds its contiguous half of the experts."""
+    tp, ep = LAYOUTS[layout].get("tp", 1), LAYOUTS[layout].get("ep", 1)
     for rank, r in enumerate(spawned):
-        got, ref, (heads, shapes) = r["tp2"]
-        assert heads == 2                                     # 4 heads over 2 ranks
-        assert shapes == {"layers.0.self_attention.q_proj.weight": (64, 64),
-                          "layers.0.self_attention.o_proj.weight": (64, 64),
-                          "layers.1.mlp.down_proj.weight": (64, 128),
-                          "layers.0.mlp.gate_up_proj": (8, 64, 64)}, shapes
-        assert_bitwise(got, ref, f"TP=2 rank {rank} vs TP=1")
+        r = r[layout]
+        assert r["heads"] == 4 // tp
+        assert r["experts"] == ((rank % ep) * 8 // ep, 8 // ep)
+        assert_bitwise(r["got"], r["ref"], f"{layout} rank {rank} vs TP=1")
 
 
-def test_ep2_under_megatron_parallel_state_equals_ep1(spawned):
+@pytest.mark.parametrize("layout", [*LAYOUTS, "kv_copies"])
+def test_dist_checkpointing_sees_each_shard_in_its_global_tensor(spawned, layout):
+    """megatron's `sharded_state_dict` of the tonp layers: global shapes, each rank's slice at its
+    offset (TP heads, EP expert ranges, KV heads copied over TP ranks), every global tensor
+    covered exactly once by main replicas (megatron's validate_sharding_integrity)."""
     for rank, r in enumerate(spawned):
-        if isinstance(r["ep2"], str):
-            pytest.xfail(f"expert parallelism in tonp's SparseMoeBlock: {r['ep2']}")
-        got, ref = r["ep2"]
-        assert_bitwise(got, ref, f"EP=2 rank {rank} vs EP=1")
+        r = r[layout]
+        assert r["wrong"] == [], f"{layout} rank {rank}: shards off their global region"
+        want = dict(GLOBAL_SHAPES)
+        if layout == "kv_copies":   # the "tied" config: one KV head, every layer sparse
+            want["layers.0.self_attention.k_proj.weight"] = (16, 64)
+            del want["layers.1.mlp.down_proj.weight"]
+        assert r["shapes"] == want, r["shapes"]
+
+
+def test_expert_tensor_parallelism_is_refused(spawned):
+    """tonp keeps each expert whole: an expert-TP group of 2 under EP is refused by name."""
+    assert "expert tensor parallelism must be 1" in spawned[0]["expert_tp"]
 
 
 def test_tp2_stock_torch_twin(spawned):
     """Stock torch (F.linear per shard + gloo's all_reduce) does not give TP=1's bits."""
-    got, ref, _ = spawned[0]["tp2_torch"]
-    assert not torch.equal(got, ref)
+    r = spawned[0]["tp2_torch"]
+    assert not torch.equal(r["got"], r["ref"])
+
+
+def _refused_expert_tp():
+    """A TonpSparseMoE given an EP group and an expert-TP group of 2 ranks each."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from tonp_models.megatron import TonpSparseMoE
+    world = dist.group.WORLD
+    pgs = ProcessGroupCollection(tp=None, ep=world, expt_tp=world, dp=None, dp_cp=None,
+                                 expt_dp=None)
+    try:
+        TonpSparseMoE(transformer_config_from_qwen3(tiny_config("mlp_only")), pg_collection=pgs)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
 
 
 def _rank_main():
     from megatron.core import parallel_state as ps
-    out = {"tp2": _tp2("invariant"), "tp2_torch": _tp2("torch")}
-    try:
-        out["ep2"] = _tp2("invariant", tp=1, ep=2)[:2]
-    except NotImplementedError as e:                          # EP not wired in the layers
-        out["ep2"] = str(e)
+    out = {name: _layout("invariant", **kw) for name, kw in LAYOUTS.items()}
+    out["kv_copies"] = _layout("invariant", tp=2, name="tied")     # 1 KV head on 2 TP ranks
+    out["tp2_torch"] = _layout("torch", tp=2)
+    out["expert_tp"] = _refused_expert_tp()
     ps.initialize_model_parallel(1, 1)                        # now TP 1 (DP 2)
     if ps.get_data_parallel_rank() == 0:
         out["own"] = _megatron_own_model(MEGATRON_OWN_CONFIG)

@@ -142,9 +142,10 @@ def test_logits_do_not_depend_on_the_thread_count():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_equal_one_call_per_expert(dtype):
-    """The MoE blocks' fused expert op (the default) and their one-call-per-expert path (what
-    the diagnoser hooks) give the same logits bit for bit, in a training forward and in cached
-    decode; their gradients agree (backward is torch math, not promised bitwise)."""
+    """The MoE blocks' fused expert op (the default) and their one-call-per-expert path (which
+    the diagnoser also runs beside the fused op, to see inside) give the same logits bit for bit,
+    in a training forward and in cached decode; their gradients agree (backward is torch math,
+    not promised bitwise)."""
     from tonp_models.layers.moe import SparseMoeBlock
     model = tiny_model("mlp_only", dtype=dtype)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]

@@ -12,7 +12,7 @@ import torch
 
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from model_helpers import CONFIGS, hf_twin, packed, random_seqs, tiny_model, use_mode
+from model_helpers import CONFIGS, hf_twin, packed, random_seqs, tiny_model
 
 MODES = ("torch", "invariant")
 
@@ -35,7 +35,7 @@ def test_logits_and_greedy_match_transformers(name, mode, tmp_path):
     model = tiny_model(name)
     hf = hf_twin(model, tmp_path)
     seqs = random_seqs([37, 5, 20], model.config.vocab_size)
-    with use_mode(mode), torch.no_grad():
+    with tk.use(mode), torch.no_grad():
         ids, cu = packed(seqs)
         ours = model(ids, cu)                                                      # (T, V)
         for s, (a, b) in zip(seqs, zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -58,7 +58,7 @@ def test_padded_batch_matches_transformers(mode, tmp_path):
     mask = torch.zeros(3, 16, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    with use_mode(mode), torch.no_grad():
+    with tk.use(mode), torch.no_grad():
         out = model(ids, attention_mask=mask)
         assert out.shape == (3, 16, model.config.vocab_size) and out.dtype == torch.float32
         for i, s in enumerate(seqs):
@@ -74,7 +74,7 @@ def test_bf16_close_to_transformers(mode, tmp_path):
     model = tiny_model("mlp_only", dtype=torch.bfloat16)
     hf = hf_twin(model, tmp_path)
     s = random_seqs([24], model.config.vocab_size)[0]
-    with use_mode(mode), torch.no_grad():
+    with tk.use(mode), torch.no_grad():
         ours = model(s)
         ref = hf(s[None]).logits[0].float()
     assert ours.dtype == torch.float32
@@ -86,7 +86,7 @@ def test_bf16_close_to_transformers(mode, tmp_path):
 def test_training_forward_has_gradients(mode):
     """The same forward trains: token_logprobs backpropagates into every parameter."""
     model = tiny_model("mlp_only")
-    with use_mode(mode):
+    with tk.use(mode):
         lps = model.token_logprobs(random_seqs([12, 7], model.config.vocab_size))
         torch.cat(lps).sum().backward()
     for name, p in model.named_parameters():
@@ -159,7 +159,7 @@ def test_bad_forward_arguments():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
-    (dict(hidden_size=60), "hidden_size=60 is not a positive multiple of reduction_chunks"),
+    (dict(hidden_size=60), "hidden_size=60 is not a multiple of reduction_chunks=8"),
     (dict(vocab_size=321), "vocab_size=321"),
     (dict(moe_intermediate_size=36), "moe_intermediate_size=36"),
     (dict(reduction_chunks=6), "power of two"),

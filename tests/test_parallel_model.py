@@ -11,7 +11,8 @@ model (same seed) and checks:
 * gradients of a loss over DP-split data match the single-process gradients (tolerance);
 * twin: in "torch" kernel mode a TP 2 forward differs from TP 1 (gloo's all_reduce and a split
   stock matmul change the order), so the bitwise checks can fail;
-* bad layouts raise clear errors; a raising rank fails the run fast.
+* bad layouts raise clear errors; a raising rank fails the run fast; a save rank 0 refuses
+  raises on every rank.
 """
 from __future__ import annotations
 
@@ -22,9 +23,6 @@ import torch
 
 import tonp_kernels as tk
 from dist_utils import DistributedError, run_distributed
-from model_helpers import invariant_built
-
-pytestmark = pytest.mark.skipif(not invariant_built(), reason="tonp_kernels C++ ops not built")
 
 WORLD = 4
 LAYOUTS = [(2, 1, "fp32"), (4, 1, "fp32"), (1, 2, "fp32"), (1, 4, "fp32"), (2, 2, "fp32"),
@@ -119,7 +117,32 @@ def _layouts_rank(ckpt: str):
         tpar.init_parallel(tp=3)
     except ValueError as e:
         errors["world"] = str(e)
+    errors["save"] = _failed_save(ckpt)
     return dict(layouts=results, twin=twin, errors=errors)
+
+
+def _failed_save(ckpt: str) -> str:
+    """A TP 2 x EP 2 save into a directory rank 0 refuses (a foreign weight file): what each
+    rank raised."""
+    import os
+
+    import torch.distributed as dist
+
+    import tonp_parallel as tpar
+    from tonp_models import Qwen3MoeForCausalLM
+    g = tpar.init_parallel(tp=2, ep=2)
+    model = Qwen3MoeForCausalLM(_config(), groups=g)
+    target = os.path.join(ckpt, "foreign")
+    if g.rank == 0:
+        os.makedirs(target, exist_ok=True)
+        with open(os.path.join(target, "pytorch_model.bin"), "wb") as f:
+            f.write(b"someone else's weights")
+    dist.barrier()
+    try:
+        model.save_pretrained(target)
+    except (ValueError, RuntimeError) as e:  # the outcome under test, returned to the parent
+        return f"{type(e).__name__}: {e}"
+    return "saved"
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +283,15 @@ def test_bad_layouts_raise_clear_errors(spawned):
     assert "tp=4 must divide the 2 query heads" in errors["heads"]
     assert "tp=4 must divide the reduction chunks C=2" in errors["chunks"]
     assert "not divisible by tp=3" in errors["world"]
+
+
+def test_a_failed_sharded_save_raises_on_every_rank(spawned):
+    """Rank 0 writes; when it cannot, every rank raises instead of waiting in a barrier."""
+    for rank, out in enumerate(spawned):
+        msg = out["errors"]["save"]
+        want = "ValueError: save_pretrained" if rank == 0 else \
+            "RuntimeError: save_checkpoint: global rank 0 failed"
+        assert msg.startswith(want) and "pytorch_model.bin" in msg, (rank, msg)
 
 
 def _raise_on_rank_1():

@@ -1,43 +1,33 @@
-"""The rollout engine: batched decoding of ragged prompts with a paged KV cache.
+"""`generate`: roll out ragged prompts with the rollout engine (tonp_models.engine: continuous
+batching over a paged KV cache, prefix caching, chunked prefill); every logprob it reports is,
+bit for bit, the one the training forward gives.
 
     out = generate(model, prompts, max_new_tokens=64, temperature=1.0, top_p=0.95, seed=7,
                    max_batch_size=8, eos_token_id=model.config.eos_token_id)
     lps = model.token_logprobs(out.sequences, temperature=1.0)    # training forward
     assert all(torch.equal(a[p - 1:], b) for a, b, p in zip(lps, out.logprobs, out.prompt_lengths))
 
-How it works. A scheduler keeps at most `max_batch_size` requests running, each in a slot of a
-`PagedKVCache` (page = the model's attention block). Every step is ONE forward over a ragged packed
-batch: a request that just joined feeds its whole context (prefill), a running one its last token
-(decode); both extend their cache slot. Only each sequence's last row goes through the final norm
-and LM head (`logits_rows`). Finished requests (eos / stop token / max_new_tokens) leave and free
-their pages between steps; waiting prompts join in order while slots and pages allow.
-
-Why a request's output never depends on its batch: with tonp's invariant kernels a row's logits
-depend only on that row's own sequence (CONTRACT.md), greedy picks the lowest index among ties
-(`tonp_kernels.argmax`), and sampling noise is a hash of (seed, request id, position, token)
-(`tonp_kernels.sample`). So the batch size, the companions, their order, prefill vs decode and even
-a preemption (which recomputes the context) leave every token and logprob bit-for-bit unchanged,
-and `model.token_logprobs(out.sequences, temperature=T)` reproduces `out.logprobs` exactly.
-
-Cache capacity. By default the cache holds the `max_batch_size` largest requests at their full
-length, so nothing ever waits for pages. With a smaller `num_pages`, pages are allocated as
-sequences grow; a waiting prompt joins only when its context fits, and when running requests
-outgrow the free pages the most recently admitted one is preempted (its pages freed, its context,
-prompt + tokens so far, recomputed when it rejoins). A request that cannot fit even alone raises
-CacheFullError before any work is done.
+A request's tokens and logprobs do not depend on its batch (size, companions, order, cache size,
+preemption, prefix-cache hits, prefill chunks). Arguments are checked before any forward; the
+ranks of a tensor-parallel group must make the same call (checked: a mismatch raises on every
+rank); non-finite logits raise. How a call runs and why the batch does not matter:
+docs/generation.md.
 """
 from __future__ import annotations
 
-import itertools
+import collections.abc
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
-import tonp_kernels as tk
+import tonp_parallel as tpar
 
-from .layers import CacheFullError, PagedKVCache
+from .checks import (TPCheck, as_int, as_real, check_temperature, digest, sequence_list, show,
+                     token_ids)
+from .engine import Engine, Request, SamplingParams, lockstep_group
+from .layers import CacheFullError
 
 TokenIds = Union[torch.Tensor, Sequence[int]]
 
@@ -46,11 +36,13 @@ TokenIds = Union[torch.Tensor, Sequence[int]]
 class GenerationStats:
     """Work and time of one `generate` call (tokens counted over all forwards)."""
     prompt_tokens: int = 0        # prompt tokens of the requests
-    prefill_tokens: int = 0       # context tokens fed in prefill (> prompt_tokens after preemption)
+    prefill_tokens: int = 0       # context tokens fed in prefill (cache hits excluded; more
+                                  # than the prompts' after a preemption)
     decode_tokens: int = 0        # tokens fed in decode steps
     new_tokens: int = 0           # generated tokens
     forward_steps: int = 0        # model forwards (each a mixed prefill + decode batch)
     preemptions: int = 0          # requests evicted for lack of pages (then recomputed)
+    cached_tokens: int = 0        # context tokens whose K/V came from the prefix cache
     seconds: float = 0.0          # wall time of the whole call
 
     @property
@@ -87,158 +79,119 @@ class GenerationOutput:
         return [len(lp) for lp in self.logprobs]
 
 
-@dataclass
-class _Request:
-    index: int                    # position in the prompts list (output order)
-    request_id: int               # the key of its sampling noise
-    tokens: List[int]             # prompt + generated so far
-    prompt_len: int
-    logprobs: List[float] = field(default_factory=list)   # fp32 values (exact as floats)
-    slot: Optional[int] = None    # cache slot while running
-    cached: int = 0               # tokens whose K/V are in the cache
-    finish: Optional[str] = None
-
-    @property
-    def pending(self) -> List[int]:
-        """Tokens to feed next: the whole context after (re)admission, else the last token."""
-        return self.tokens[self.cached:]
-
-
-class _Scheduler:
-    """Continuous batching over a PagedKVCache: FIFO admission, LIFO preemption."""
-
-    def __init__(self, cache: PagedKVCache, requests: List[_Request], max_batch_size: int):
-        self.cache, self.max_batch_size = cache, max_batch_size
-        self.waiting: List[_Request] = list(requests)
-        self.running: List[_Request] = []
-        self.preemptions = 0
-
-    @property
-    def done(self) -> bool:
-        return not self.waiting and not self.running
-
-    def _need(self, reqs: Iterable[_Request]) -> int:
-        return sum(self.cache.pages_needed(r.slot, len(r.pending)) for r in reqs)
-
-    def next_batch(self) -> List[_Request]:
-        """The requests of the next forward, with pages for their pending tokens guaranteed."""
-        cache = self.cache
-        need = self._need(self.running)
-        while need > cache.free_pages and self.running:
-            victim = self.running.pop()          # the most recently admitted gives way
-            cache.release(victim.slot)
-            victim.slot, victim.cached = None, 0
-            self.waiting.insert(0, victim)
-            self.preemptions += 1
-            need = self._need(self.running)
-        B = cache.page_size
-        while self.waiting and len(self.running) < self.max_batch_size:
-            r = self.waiting[0]
-            pages = -(-len(r.tokens) // B)
-            if need + pages > cache.free_pages:
-                break                            # FIFO: later prompts do not jump the queue
-            self.waiting.pop(0)
-            r.slot = cache.add_sequence()
-            self.running.append(r)
-            need += pages
-        if not self.running:  # cannot happen: generate() checked each request fits alone
-            raise CacheFullError(f"generate: request {self.waiting[0].index} does not fit in "
-                                 f"{cache.num_pages} free pages")
-        return list(self.running)
-
-    def finish(self, r: _Request, reason: str) -> None:
-        r.finish = reason
-        self.running.remove(r)
-        self.cache.release(r.slot)
-        r.slot = None
-
-
-@dataclass
-class _Sampling:
-    temperature: float
-    top_k: Optional[int]
-    top_p: Optional[float]
-    seed: int
-
-
-def _pick(logits: torch.Tensor, rows: List[_Request], s: _Sampling):
-    """Next token and its logprob for each row. logits fp32 [S, V] -> (int64 [S], fp32 [S])."""
-    if s.temperature == 0:
-        chosen = tk.argmax(logits)
-    else:
-        ids = torch.tensor([r.request_id for r in rows], dtype=torch.int64)
-        pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)  # the new token's
-        chosen = tk.sample(logits, temperature=s.temperature, seed=s.seed, request_ids=ids,
-                           positions=pos, top_k=s.top_k, top_p=s.top_p)
-    lps = tk.token_logprobs(logits, chosen, temperature=s.temperature or 1.0)
-    return chosen, lps
-
-
-def _as_ids(name: str, x: TokenIds) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.is_complex()
-                                       or t.dtype == torch.bool)):
-        raise TypeError(f"generate: {name} must be a 1-D sequence of integer token ids, got "
-                        f"{tuple(t.shape)} {t.dtype}")
-    return t.long()
-
-
 def _token_set(name: str, ids, vocab: int) -> set:
+    """eos / stop ids: None, one token id, or a list / tuple / set / 1-D tensor or array of them
+    (ints, numpy integers, 0-d integer tensors)."""
     if ids is None:
         return set()
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"generate: {name} {bad} are not token ids in [0, {vocab})")
-    return set(ids)
+    many = isinstance(ids, (list, tuple, set, frozenset, range)) or getattr(ids, "ndim", 0) == 1
+    return {as_int("generate", f"{name}[{j}]" if many else name, v, 0, vocab)
+            for j, v in enumerate(ids if many else [ids])}
 
 
-def _make_requests(model, prompts, max_new_tokens: int, request_ids) -> List[_Request]:
-    if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
-        raise TypeError("generate: prompts must be a list of 1-D token-id sequences (got one "
-                        "1-D tensor: wrap it in a list)")
-    c = model.config
-    V, limit = c.vocab_size, c.max_position_embeddings
+def _request_ids(request_ids, n: int) -> List[int]:
+    """The noise keys of the n requests: distinct ints in [0, 2**63); default 0..n-1."""
     if request_ids is None:
-        request_ids = range(len(prompts))
-    request_ids = [int(i) for i in request_ids]
-    if len(request_ids) != len(prompts) or any(i < 0 for i in request_ids):
-        raise ValueError(f"generate: request_ids must be {len(prompts)} non-negative ints")
+        return list(range(n))
+    if isinstance(request_ids, (str, bytes)) or getattr(request_ids, "ndim", 1) != 1 or \
+            not isinstance(request_ids, collections.abc.Iterable):
+        raise TypeError(f"generate: request_ids must be a sequence of ints, got "
+                        f"{show(request_ids)}")
+    ids = [as_int("generate", f"request_ids[{j}]", v, 0, 2**63)
+           for j, v in enumerate(request_ids)]
+    if len(ids) != n:
+        raise ValueError(f"generate: request_ids must be {n} ints (one per prompt), got "
+                         f"{len(ids)}")
+    dup = sorted(i for i, c in collections.Counter(ids).items() if c > 1)
+    if dup:
+        raise ValueError(f"generate: request_ids must be distinct (they key each request's "
+                         f"sampling noise); {dup[:8]} occur more than once")
+    return ids
+
+
+# -- generate -----------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    """A validated generate call: one engine request per prompt, in order."""
+    reqs: List[Request]
+    params: SamplingParams
+    max_batch_size: Optional[int]
+    num_pages: Optional[int]
+    prefix_cache: bool
+    max_step_tokens: Optional[int]
+
+    def key(self) -> tuple:
+        """What every TP rank must agree on (the digest's parts)."""
+        p = self.params
+        return (p.max_new_tokens, sorted(p.eos_token_ids), sorted(p.stop_token_ids), p.draw,
+                self.max_batch_size, self.num_pages, self.prefix_cache, self.max_step_tokens,
+                [(r.noise_key, r.prompt_len) for r in self.reqs],
+                torch.tensor([t for r in self.reqs for t in r.tokens], dtype=torch.int64))
+
+
+def _check_call(model, prompts, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed,
+                max_batch_size, stop_token_ids, progress, request_ids, num_pages, prefix_cache,
+                max_step_tokens) -> _Call:
+    """Every argument of generate checked, before any forward (TypeError for a wrong type,
+    ValueError / IndexError for a wrong value, CacheFullError for a request num_pages cannot
+    hold alone)."""
+    c, who = model.config, "generate"
+    V, limit = c.vocab_size, c.max_position_embeddings
+    max_new_tokens = as_int(who, "max_new_tokens", max_new_tokens, 0)
+    temperature = check_temperature(who, temperature, greedy_ok=True)
+    top_k = None if top_k is None else as_int(who, "top_k", top_k, 1)
+    top_p = None if top_p is None else as_real(who, "top_p", top_p)
+    seed = as_int(who, "seed", seed, 0, 2**64)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    if max_batch_size is not None:
+        max_batch_size = as_int(who, "max_batch_size", max_batch_size, 1)
+    if num_pages is not None:
+        num_pages = as_int(who, "num_pages", num_pages, 1)
+    if max_step_tokens is not None:
+        max_step_tokens = as_int(who, "max_step_tokens", max_step_tokens, 1)
+    for name, flag in (("progress", progress), ("prefix_cache", prefix_cache)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"generate: {name} must be True or False, got {show(flag)}")
+    params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed,
+                            frozenset(_token_set("eos_token_id", eos_token_id, V)),
+                            frozenset(_token_set("stop_token_ids", stop_token_ids, V)))
+    prompts = sequence_list(who, "prompts", prompts)
+    keys = _request_ids(request_ids, len(prompts))
     reqs = []
     for i, p in enumerate(prompts):
-        t = _as_ids(f"prompt {i}", p)
+        t = token_ids(who, f"prompt {i}", p, V)
         if t.numel() == 0:
             raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-        if int(t.min()) < 0 or int(t.max()) >= V:
-            bad = t[(t < 0) | (t >= V)].unique()[:8].tolist()
-            raise IndexError(f"generate: prompt {i} holds token ids {bad} outside the vocabulary "
-                             f"[0, {V})")
         if len(t) >= limit:
             raise ValueError(f"generate: prompt {i} has {len(t)} tokens; the model's position "
                              f"limit max_position_embeddings={limit} leaves no room to generate")
         if len(t) + max_new_tokens > limit:
             raise ValueError(f"generate: prompt {i} ({len(t)} tokens) + max_new_tokens="
                              f"{max_new_tokens} exceeds max_position_embeddings={limit}")
-        reqs.append(_Request(i, request_ids[i], t.tolist(), len(t)))
-    return reqs
+        reqs.append(Request(i, t.tolist(), params, noise_key=keys[i], name=str(i)))
+    call = _Call(reqs, params, max_batch_size, num_pages, prefix_cache, max_step_tokens)
+    if reqs and max_new_tokens > 0:
+        _cache_pages(call, c.attention_block)                 # CacheFullError before any work
+    return call
 
 
-def _new_cache(model, reqs: List[_Request], max_new_tokens: int, max_batch_size: int,
-               num_pages: Optional[int]) -> PagedKVCache:
-    """A cache for these requests: slots for the running batch; pages for its largest members at
-    full length unless num_pages says fewer. The last new token is never fed, so a request writes
-    prompt_len + max_new_tokens - 1 positions."""
-    B = model.config.attention_block
-    positions = [r.prompt_len + max_new_tokens - 1 for r in reqs]
+def _cache_pages(call: _Call, B: int):
+    """(pages, batch, longest position) of the call's cache: enough pages for its largest
+    `batch` requests at full length, or num_pages when fewer (more would never be used). The
+    last new token is never fed, so a request writes prompt_len + max_new_tokens - 1 positions.
+    The batch is at most max_step_tokens (every running request feeds a token each step)."""
+    reqs = call.reqs
+    batch = min(call.max_batch_size or len(reqs), len(reqs), call.max_step_tokens or len(reqs))
+    positions = [r.prompt_len + call.params.max_new_tokens - 1 for r in reqs]
     pages = sorted((-(-n // B) for n in positions), reverse=True)
-    if num_pages is None:
-        num_pages = sum(pages[:max_batch_size])
-    elif num_pages < pages[0]:
+    enough = sum(pages[:batch])
+    if call.num_pages is not None and call.num_pages < pages[0]:
         i = max(range(len(reqs)), key=lambda j: positions[j])
         raise CacheFullError(f"generate: request {i} needs {pages[0]} KV-cache pages of {B} "
                              f"positions ({positions[i]} positions) but the cache holds "
-                             f"num_pages={num_pages}; it cannot run even alone")
-    return model.new_cache(max_batch_size, max(positions), num_pages=num_pages)
+                             f"num_pages={call.num_pages}; it cannot run even alone")
+    return min(call.num_pages or enough, enough), batch, max(positions)
 
 
 # no_grad, not inference_mode: the returned sequences feed the (grad-enabled) training forward.
@@ -248,52 +201,54 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
              max_batch_size: Optional[int] = None,
              stop_token_ids: Optional[Sequence[int]] = None, progress: bool = False, *,
-             request_ids: Optional[Sequence[int]] = None,
-             num_pages: Optional[int] = None) -> GenerationOutput:
+             request_ids: Optional[Sequence[int]] = None, num_pages: Optional[int] = None,
+             prefix_cache: bool = True, max_step_tokens: Optional[int] = None
+             ) -> GenerationOutput:
     """Roll out every prompt with `model` (a Qwen3MoeForCausalLM or anything with its forward,
-    `new_cache` and `config`), continuous batching over a paged KV cache.
+    `new_cache` and `config`) through an `Engine`.
 
     Args:
-        prompts: 1-D int token-id sequences (tensors or lists), ragged, each non-empty.
-        max_new_tokens: tokens to generate per request at most (>= 0).
-        eos_token_id, stop_token_ids: an int or ints; generating one ends the request (the token
-            is kept, with its logprob). None = no eos (the model config's is not implied).
+        prompts: 1-D integer token-id sequences (tensors, arrays or lists), ragged, non-empty.
+        max_new_tokens: tokens to generate per request at most (an int >= 0).
+        eos_token_id, stop_token_ids: a token id or a sequence of them (ints, numpy integers,
+            integer tensors); generating one ends the request (the token is kept, with its
+            logprob). None = no eos (the model config's is not implied).
         temperature: 0 = greedy (argmax, lowest index on ties); > 0 samples from
-            softmax(logits / temperature) restricted by top_k / top_p (ignored when greedy).
+            softmax(logits / temperature) restricted by top_k (int >= 1) / top_p (in (0, 1]),
+            both ignored when greedy. A temperature must be a normal number in fp32 (>= about
+            1.18e-38), and one so small that logits / temperature overflow fp32 raises.
         seed, request_ids: the sampling noise of request i at position t is a hash of
-            (seed, request_ids[i], t, token); request_ids default to 0..n-1 (prompt order), so pass
-            them to keep a request's draws when the prompt list is reordered or split.
+            (seed, request_ids[i], t, token); seed in [0, 2**64); request_ids distinct ints in
+            [0, 2**63), default 0..n-1 (prompt order): pass them to keep a request's draws
+            when the prompt list is reordered or split.
         max_batch_size: requests decoded together at most (None = all).
         num_pages: KV-cache pages (None = enough for the largest max_batch_size requests; fewer
-            makes requests wait or be preempted and recomputed, see the module docstring).
+            makes requests wait or be preempted and recomputed: docs/generation.md).
+        prefix_cache: share the K/V pages of prompt prefixes between requests (G samples of a
+            prompt prefill it once); max_step_tokens: tokens a forward feeds at most (chunked
+            prefill; None = no limit). Neither changes a bit of the result.
         progress: show a tqdm bar over finished requests.
     Returns: GenerationOutput (sequences, fp32 logprobs, prompt lengths, finish reasons, stats).
-    Raises: TypeError / ValueError / IndexError on bad prompts or settings (empty prompt, token id
-        out of range, prompt + max_new_tokens beyond max_position_embeddings); CacheFullError when
-        num_pages cannot hold a request alone.
+    Raises: TypeError / ValueError / IndexError on a bad argument, named (empty prompt, token id
+        out of range, prompt + max_new_tokens beyond max_position_embeddings, ...);
+        CacheFullError when num_pages cannot hold a request alone; RuntimeError when the ranks
+        of a TP group were given different calls, or when the model's logits are not finite.
     """
     start = time.perf_counter()
-    V = model.config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0 or (top_k is not None and top_k < 1) or \
-            (top_p is not None and not 0.0 < top_p <= 1.0):
-        raise ValueError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got "
-                         f"temperature={temperature} top_k={top_k} top_p={top_p}")
-    if max_batch_size is not None and max_batch_size < 1:
-        raise ValueError(f"generate: max_batch_size must be >= 1, got {max_batch_size}")
-    if num_pages is not None and num_pages < 1:
-        raise ValueError(f"generate: num_pages must be >= 1, got {num_pages}")
-    eos = _token_set("eos_token_id", eos_token_id, V)
-    stop = _token_set("stop_token_ids", stop_token_ids, V)
-    sampling = _Sampling(float(temperature), top_k, top_p, int(seed))
-    reqs = _make_requests(model, prompts, max_new_tokens, request_ids)
+    tp = TPCheck.of(model, "generate")
+    call = tp.agreed(lambda: _check_call(model, prompts, max_new_tokens, eos_token_id,
+                                         temperature, top_k, top_p, seed, max_batch_size,
+                                         stop_token_ids, progress, request_ids, num_pages,
+                                         prefix_cache, max_step_tokens),
+                     _Call.key)
+    reqs = call.reqs
     stats = GenerationStats(prompt_tokens=sum(r.prompt_len for r in reqs))
-    if reqs and max_new_tokens > 0:
-        batch = min(max_batch_size or len(reqs), len(reqs))
-        cache = _new_cache(model, reqs, max_new_tokens, batch, num_pages)
-        _run(model, _Scheduler(cache, reqs, batch), max_new_tokens, eos, stop, sampling, stats,
-             progress)
+    if reqs and call.params.max_new_tokens > 0:
+        num_pages, batch, longest = _cache_pages(call, model.config.attention_block)
+        engine = Engine(model, max_batch_size=batch, num_pages=num_pages, max_seq_len=longest,
+                        prefix_caching=call.prefix_cache, max_step_tokens=call.max_step_tokens,
+                        strict=True, who="generate", lockstep_group=_lockstep(model, call))
+        _run(engine, call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
     return GenerationOutput(
         sequences=[torch.tensor(r.tokens, dtype=torch.int64) for r in reqs],
@@ -302,40 +257,40 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         finish_reasons=[r.finish or "length" for r in reqs], stats=stats)
 
 
-def _run(model, sched: _Scheduler, max_new_tokens: int, eos: set, stop: set, sampling: _Sampling,
-         stats: GenerationStats, progress: bool) -> None:
-    """The decode loop: one mixed prefill/decode forward per step until every request ends."""
+def _lockstep(model, call: _Call):
+    """The EP group when its ranks (outside this TP group) were given different calls: they
+    then step in lockstep, an idle rank running a one-token forward while a peer has work."""
+    group = lockstep_group(model)
+    if group is None:
+        return None
+    mine = torch.tensor([digest(*call.key())], dtype=torch.int64)
+    every = tpar.all_gather_stacked(mine, group)                                   # (W, 1)
+    return None if bool((every == mine).all()) else group
+
+
+def _run(engine: Engine, call: _Call, stats: GenerationStats, progress: bool,
+         tp: TPCheck) -> None:
+    """Feed every request to the engine and step it until all have ended."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(sched.waiting), unit="req", desc="rollout", disable=not progress)
-    cache = sched.cache
-    while not sched.done:
-        rows = sched.next_batch()
-        feeds = [r.pending for r in rows]
-        counts = [len(f) for f in feeds]
-        stats.prefill_tokens += sum(n for r, n in zip(rows, counts) if r.cached == 0)
-        stats.decode_tokens += sum(n for r, n in zip(rows, counts) if r.cached > 0)
-        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)
-        ends = list(itertools.accumulate(counts))
-        cu = torch.tensor([0] + ends, dtype=torch.int32)
-        last = torch.tensor([e - 1 for e in ends], dtype=torch.int64)  # each sequence's last row
-        logits = model(ids, cu, cache=cache, cache_slots=[r.slot for r in rows],
-                       logits_rows=last)                                          # (S, V) fp32
-        stats.forward_steps += 1
-        chosen, lps = _pick(logits, rows, sampling)
-        for r, tok, lp in zip(rows, chosen.tolist(), lps.tolist()):  # fp32 -> float: exact
-            r.cached = len(r.tokens)
-            r.tokens.append(tok)
-            r.logprobs.append(lp)
-            stats.new_tokens += 1
-            reason = "eos" if tok in eos else "stop" if tok in stop else \
-                "length" if len(r.logprobs) >= max_new_tokens else None
-            if reason:
-                sched.finish(r, reason)
-                bar.update(1)
-        bar.set_postfix(tok_s=f"{stats.new_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}",
-                        refresh=False)
-    stats.preemptions = sched.preemptions
+    bar = tqdm(total=len(call.reqs), unit="req", desc="rollout", disable=not progress)
+    for r in call.reqs:
+        engine.add(r)
+    while not engine.idle_everywhere():
+        ended = sum(1 for o in engine.step() if o.finish)
+        if ended:
+            bar.update(ended)
+        rate = engine.stats.new_tokens / max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+    e = engine.stats
+    stats.prefill_tokens, stats.decode_tokens, stats.new_tokens = \
+        e.prefill_tokens, e.decode_tokens, e.new_tokens
+    stats.forward_steps, stats.preemptions, stats.cached_tokens = \
+        e.forward_steps, e.preemptions, e.cached_tokens
+    if tp.group is not None:  # every TP rank returns the same rollouts (see docs/generation.md)
+        tp.agree(digest(stats.forward_steps, [len(r.tokens) for r in call.reqs],
+                        torch.tensor([t for r in call.reqs for t in r.tokens]),
+                        torch.tensor([p for r in call.reqs for p in r.logprobs])), "result")
     bar.close()
 
 

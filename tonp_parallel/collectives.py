@@ -9,7 +9,8 @@ fp32 partials p0..p(W-1) (in group-rank order) is always the contract's fixed pa
 computed with plain fp32 `+` (IEEE-exact per element, so it does not matter which rank adds or
 how the elements are cut into messages). For W not a power of two the tree pairs neighbours
 level by level and carries an odd last node up unchanged: W = 3 -> (p0 + p1) + p2,
-W = 6 -> ((p0+p1)+(p2+p3)) + (p4+p5). For powers of two this is `tonp_kernels.tree_sum`.
+W = 6 -> ((p0+p1)+(p2+p3)) + (p4+p5). The tree is `tonp_kernels.tree_sum` (the same function
+finishes a row-parallel linear's chunk tree); `tree_order_sum` is its name here.
 
 Two wire forms, picked by message size, give the same bits:
 * small (<= SMALL_MESSAGE_BYTES): all_gather the partials, every rank runs the whole tree;
@@ -29,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from tonp_kernels import tree_sum as tree_order_sum
 
 SMALL_MESSAGE_BYTES = 64 * 1024
 ALGORITHMS = ("auto", "gather", "all_to_all")
@@ -46,19 +48,6 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This process's rank inside `group` (ascending global rank order); 0 for None."""
     return 0 if group is None else dist.get_rank(group)
-
-
-def tree_order_sum(partials: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum p0..p(n-1) by the fixed pairwise tree (odd last node carried up), fp32 `+` only."""
-    parts = list(partials)
-    if not parts:
-        raise ValueError("tonp_parallel.tree_order_sum: no partials")
-    while len(parts) > 1:
-        nxt = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
-        if len(parts) % 2:
-            nxt.append(parts[-1])
-        parts = nxt
-    return parts[0]
 
 
 def _check_partial(name: str, x: torch.Tensor) -> None:
@@ -114,7 +103,7 @@ def tree_all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup], *,
         small = x.numel() * x.element_size() <= SMALL_MESSAGE_BYTES
         algorithm = "gather" if small or x.numel() < W else "all_to_all"
     if algorithm == "gather":
-        return tree_order_sum(all_gather_stacked(x.detach(), group).unbind(0))
+        return tree_order_sum(all_gather_stacked(x.detach(), group))
 
     # all_to_all form: pad the flat message to W equal chunks; pads are zeros and dropped.
     flat = x.detach().reshape(-1)
@@ -127,7 +116,7 @@ def tree_all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup], *,
         send[n:].zero_()
     received = _scratch("recv", chunk * W, flat)  # chunk r (ours) of every rank's partial
     dist.all_to_all_single(received, send, group=group)
-    mine = _tree_in_place(list(received.view(W, chunk).unbind(0)))
+    mine = tree_order_sum(received.view(W, chunk), in_place=True)
     out = flat.new_empty(chunk * W)
     if dist.get_backend(group) == "gloo":
         # gloo's allgather measured ~2x slower than its all_to_all of the same bytes (16-32 MiB,
@@ -138,16 +127,6 @@ def tree_all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup], *,
     else:
         _all_gather_flat(out, mine, group=group)
     return out[:n].view(x.shape)
-
-
-def _tree_in_place(parts: List[torch.Tensor]) -> torch.Tensor:
-    """`tree_order_sum` accumulating into the left operand (`a.add_(b)` rounds like `a + b`)."""
-    while len(parts) > 1:
-        nxt = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
-        if len(parts) % 2:
-            nxt.append(parts[-1])
-        parts = nxt
-    return parts[0]
 
 
 _WORKSPACE: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
@@ -188,7 +167,7 @@ def tree_reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup],
     send = torch.stack([p.contiguous() for p in pieces])  # [W, piece...], piece j goes to rank j
     received = torch.empty_like(send)  # [W, piece...]: our piece of every rank's partial
     dist.all_to_all_single(received, send, group=group)
-    return tree_order_sum(received.unbind(0))
+    return tree_order_sum(received)
 
 
 def scatter_along(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int) -> torch.Tensor:

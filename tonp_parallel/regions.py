@@ -6,6 +6,8 @@
     scatter_to_region(x, g, dim)      fwd: this rank's slice     bwd: concat ranks on dim
     reduce_scatter_to_region(p, g, d) fwd: fixed-tree sum, keep this rank's slice of dim d
                                       bwd: concat ranks on dim d
+    all_gather_to_region(x, g, d)     fwd: concat ranks on dim d
+                                      bwd: sum of grads over g, this rank's slice of dim d
     gather_partials(x, g)             fwd: [W, ...] stacked in rank order   bwd: grad[rank]
     all_to_all(x, out_splits, in_splits, g)  fwd: exchange rows   bwd: the reverse exchange
 
@@ -45,6 +47,18 @@ def _sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
     y = x.contiguous().clone()
     dist.all_reduce(y, group=group)
     return y
+
+
+def _backend_reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's 1/W slice along `dim` of the sum over `group`, in the backend's order."""
+    W, d = group_size(group), dim % x.dim()
+    src = x.movedim(d, 0).contiguous()
+    if src.shape[0] % W:
+        raise ValueError(f"tonp_parallel.reduce_scatter_to_region: dim {dim} of size "
+                         f"{src.shape[0]} is not divisible by the group size {W}")
+    out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
+    reduce_scatter_flat(out, src, group=group)
+    return out.movedim(0, d).contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -96,21 +110,19 @@ class _ReduceScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        W = group_size(group)
-        if W > 1 and _stock_mode():
-            d = dim % x.dim()
-            src = x.detach().movedim(d, 0).contiguous()
-            if src.shape[0] % W:
-                raise ValueError(f"tonp_parallel.reduce_scatter_to_region: dim {dim} of size "
-                                 f"{src.shape[0]} is not divisible by the group size {W}")
-            out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
-            reduce_scatter_flat(out, src, group=group)
-            return out.movedim(0, d).contiguous()
+        if group_size(group) > 1 and _stock_mode():
+            return _backend_reduce_scatter(x.detach(), group, dim)
         return tree_reduce_scatter(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
         return all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllGatherToRegion(_GatherFromRegion):
+    @staticmethod
+    def backward(ctx, grad):
+        return _backend_reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherPartials(torch.autograd.Function):
@@ -177,6 +189,16 @@ def reduce_scatter_to_region(partial: torch.Tensor, group: Group, dim: int = 0) 
     if group_size(group) == 1:
         return partial
     return _ReduceScatterToRegion.apply(partial, group, dim)
+
+
+def all_gather_to_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sequence-parallel entry of a column-parallel region (megatron's gather from the
+    sequence-parallel region): every rank's x [..., n, ...] concatenated along `dim` in rank
+    order -> [..., W*n, ...]. Backward: the grads summed over `group` (each rank's consumer
+    computed other columns), this rank's slice (the backend's reduce_scatter)."""
+    if group_size(group) == 1:
+        return x
+    return _AllGatherToRegion.apply(x, group, dim)
 
 
 def gather_partials(x: torch.Tensor, group: Group) -> torch.Tensor:

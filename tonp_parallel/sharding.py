@@ -1,31 +1,67 @@
-"""Region mappings the model's TP x EP layout needs beyond regions.py: uneven row shares and
-replica gradient sums. All are autograd-aware and move bytes only (no arithmetic on the forward
-values), so they never change a bit of the result.
+"""Which slice of the full tensor each rank holds, and the region mappings uneven shares need.
 
-    share = scatter_rows_to_region(x, tp_group)      # rows [start, start + n) of this TP rank
+    shard = Shard(dim=0, start=64, length=64, full=128, group="tp")    # a parameter's slice
+    shards = parameter_shards(model)             # {name: Shard}: the one sharding truth
+    share = scatter_rows_to_region(x, tp_group)  # rows [start, start + n) of this TP rank
     x     = gather_rows_from_region(share, tp_group, total_rows)   # back to every row
     w     = sum_over_replicas(w_local, tp_group, copies)           # grads summed over copies
 
-Why uneven rows: an MoE layer under TP x EP lets each TP rank dispatch only its share of the
-(replicated) tokens, so an expert sees every token exactly once; the token count need not divide
-the TP degree. With P parts, rank r holds part r % P, rows `row_share(n, P, r % P)` (the first
-n % P parts get one more row); P < W when only P ranks of the TP group share an EP group.
-
-Why replicas: when TP exceeds the KV heads, `copies` consecutive TP ranks hold the same KV head;
-each computes only its query heads' part of that head's weight gradient, so the forward is an
-identity and the backward sums the copies' gradients (in rank order), giving every copy the
-whole gradient (the update stays identical on every copy).
+Every layer that holds a slice of a parameter says so in its `shards` dict when it is built;
+`parameter_shards` collects them, and the model's init, the checkpoint loader and saver, the
+gradient sync and the megatron modules read that, never a list of their own.
+Uneven rows: under TP x EP each TP rank dispatches only its share of the (replicated) tokens,
+so an expert sees every token once (rank r holds part r % P, the first n % P parts one row
+more). Replicas: when TP exceeds the KV heads, `copies` consecutive TP ranks hold one KV head
+and each computes part of its gradient; the backward sums the copies' parts in rank order.
+The mappings are autograd-aware and move bytes only, so they never change a bit.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .collectives import all_gather_stacked, group_rank, group_size, tree_order_sum
 
 Group = Optional[dist.ProcessGroup]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A local parameter is full.narrow(dim, start, length) of the full tensor, whose size on
+    `dim` is `full`; `group` names the ParallelGroups group that splits it ("tp" or "ep")."""
+    dim: int
+    start: int
+    length: int
+    full: int
+    group: str = "tp"
+
+    def full_shape(self, local_shape) -> Tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard's slice of the full tensor (a view)."""
+        return full.narrow(self.dim, self.start, self.length)
+
+
+def shards_of(module: nn.Module) -> Dict[str, Shard]:
+    """The module's own {local parameter name: Shard} (empty when nothing is sharded)."""
+    return getattr(module, "shards", None) or {}
+
+
+def parameter_shards(module: nn.Module) -> Dict[str, Shard]:
+    """{qualified parameter name: Shard} for every parameter of `module` (and its children)
+    that this rank holds only a slice of; a parameter absent from it is whole on every rank."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, shard in shards_of(sub).items():
+            out[f"{prefix}.{name}" if prefix else name] = shard
+    return out
 
 
 def row_share(n: int, size: int, rank: int) -> Tuple[int, int]:
@@ -125,4 +161,5 @@ def sum_over_replicas(x: torch.Tensor, group: Group, copies: int) -> torch.Tenso
     return _SumOverReplicas.apply(x, group, copies)
 
 
-__all__ = ["row_share", "scatter_rows_to_region", "gather_rows_from_region", "sum_over_replicas"]
+__all__ = ["Shard", "shards_of", "parameter_shards", "row_share", "scatter_rows_to_region",
+           "gather_rows_from_region", "sum_over_replicas"]

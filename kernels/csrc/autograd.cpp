@@ -4,8 +4,8 @@
 //
 // Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
 // the op itself). Backward = an op of its own per op (tonp::*_backward, *_grad: grad_kernels.cpp,
-// moe_backward.cpp, attention_grad.cpp; fake impls in _register.py): standard math in fp32, cast
-// to the input dtypes, in fixed orders (gradients need to be correct, not invariant: CONTRACT.md;
+// moe_backward.cpp, attention_grad.cpp; fake impls in _register.py): standard math with fp32 sums,
+// in the input dtypes, in fixed orders (gradients need to be correct, not invariant: CONTRACT.md;
 // and deterministic for any thread count).
 #include <ATen/ATen.h>
 #include <array>
@@ -283,6 +283,7 @@ Tensor rope_ad(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tens
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
+  m.impl("attention_varlen", &attention_varlen_ad);
   m.impl("linear", &linear_ad);
   m.impl("rms_norm", &rms_norm_ad);
   m.impl("silu_mul", &silu_mul_ad);
@@ -290,7 +291,6 @@ TORCH_LIBRARY_IMPL(tonp, Autograd, m) {
   m.impl("moe_combine", &moe_combine_ad);
   m.impl("moe_experts", &moe_experts_ad);
   m.impl("rope", &rope_ad);
-  m.impl("attention_varlen", &attention_varlen_ad);
 }
 
 }  // namespace tonp

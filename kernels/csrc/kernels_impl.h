@@ -444,11 +444,16 @@ static void lse_chunks(const void* x, int64_t V, Elem e, float temperature, int 
     float mx = -INFINITY;
     for (int64_t i = b; i < end; ++i) {
       float y = scaled ? load1(x, i, e) / temperature : load1(x, i, e);
-      mx = y > mx ? y : mx;
+      mx = y > mx ? y : mx;  // NaN never wins; a NaN among finite values makes the sum NaN
     }
     m[c] = mx;
-    if (mx == -INFINITY) {
+    if (mx == -INFINITY) {  // every entry -inf (masked: sum 0) or NaN (the sum stays NaN)
       s[c] = 0.f;
+      for (int64_t i = b; i < end; ++i)
+        if (load1(x, i, e) != load1(x, i, e)) {
+          s[c] = NAN;
+          break;
+        }
       continue;
     }
     const V8 mv = vset1(mx);

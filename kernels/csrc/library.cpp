@@ -1,7 +1,11 @@
-// Operator schemas of the tonp library (torch.ops.tonp.*). CPU implementations live in the
-// other files of this folder; fake (meta) implementations and autograd are registered from
-// Python (tonp_kernels/_register.py).
+// Operator schemas of the tonp library (torch.ops.tonp.*). CPU implementations live in ops.cpp
+// and moe_ops.cpp, autograd in autograd.cpp; fake (meta) implementations are registered from
+// Python (kernels/_register.py).
 #include <torch/library.h>
+
+#include <string>
+
+#include "ops_common.h"
 
 TORCH_LIBRARY(tonp, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, int chunks, ScalarType? out_dtype) -> Tensor");
@@ -13,6 +17,7 @@ TORCH_LIBRARY(tonp, m) {
   m.def("lse_partial(Tensor logits, float temperature, int chunks) -> (Tensor, Tensor)");
   m.def("lse_finish(Tensor maxes, Tensor sums) -> Tensor");
   m.def("max_with_index(Tensor logits) -> (Tensor, Tensor)");
+  m.def("argmax(Tensor logits) -> Tensor");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature, int chunks) -> Tensor");
   m.def("sample(Tensor logits, float temperature, int top_k, float top_p, int seed, "
         "Tensor request_ids, Tensor positions) -> Tensor");
@@ -22,6 +27,8 @@ TORCH_LIBRARY(tonp, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("moe_experts_backward(Tensor grad, Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The kernel table this process uses: "avx2" or "portable" (TONP_FORCE_PORTABLE=1, or no AVX2).
+  m.def("isa() -> str", [] { return std::string(tonp::K()->name); });
 }
 
 // A Python module named tonp_kernels._C so that `import tonp_kernels._C` loads the library.

@@ -16,7 +16,7 @@ namespace tonp {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_, int64_t top_k, bool normalize) {
-  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_route: router logits must be [M, E], got ", x_.sizes());
+  TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_route: router_logits must be [M, E], got shape ", x_.sizes());
   elem_of(x_, "moe_route", "router_logits");
   const at::Tensor x = f32_contiguous(x_);
   const int64_t M = x.size(0), E = x.size(1);

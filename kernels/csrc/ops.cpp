@@ -1,4 +1,5 @@
-// The torch-facing side of the tonp kernels: argument checks, allocation and threading.
+// The torch-facing side of the tonp kernels (linear, norms, attention, RoPE; the vocabulary ops
+// are in vocab_ops.cpp, MoE in moe_ops.cpp): argument checks, allocation and threading.
 // Threads only ever receive whole outputs (row blocks x weight panels, (query, KV head) pairs,
 // rows); every reduction runs inside one call of a kernel from the ISA table, in an order fixed
 // by the weight shape and the row's own sequence. So the bits of a row depend on neither M, nor
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -87,8 +89,9 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
-  TORCH_CHECK_VALUE(x_.dim() >= 1 && w_.dim() == 1 && w_.size(0) == x_.size(-1), "tonp.rms_norm: weight ", w_.sizes(),
-                    " does not match x ", x_.sizes(), " (expected x [..., H] and weight [H])");
+  TORCH_CHECK_VALUE(x_.dim() >= 1, "tonp.rms_norm: x must be [..., H], got shape ", x_.sizes());
+  TORCH_CHECK_VALUE(w_.dim() == 1 && w_.size(0) == x_.size(-1), "tonp.rms_norm: weight ", w_.sizes(), " does not match x ",
+                    x_.sizes(), " (expected x [..., H] and weight [H])");
   const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty_like(x);
@@ -123,18 +126,25 @@ at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
   return out;
 }
 
-void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+// q [T, Hq, D] and k, v of kv_layout (kv_dims dims, ..., Hkv, D), one float dtype: the rules of
+// _opchecks._attention, in the same order.
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op, int64_t kv_dims,
+                     const char* kv_layout) {
   elem_of(q, op, "q");
-  const Elem ek = elem_of(k, op, "k"), ev = elem_of(v, op, "v");
-  TORCH_CHECK_TYPE(ek == ev && q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "tonp.", op,
+  TORCH_CHECK_VALUE(q.dim() == 3, "tonp.", op, ": q must be [T, Hq, D], got shape ", q.sizes());
+  elem_of(k, op, "k");
+  TORCH_CHECK_VALUE(k.dim() == kv_dims, "tonp.", op, ": k must be ", kv_layout, ", got shape ", k.sizes());
+  elem_of(v, op, "v");
+  TORCH_CHECK_VALUE(v.dim() == kv_dims, "tonp.", op, ": v must be ", kv_layout, ", got shape ", v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "tonp.", op,
                    ": q, k, v dtypes differ (", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type(), ")");
-  TORCH_CHECK_VALUE(q.dim() == 3, "tonp.", op, ": q must be [T, Hq, D], got ", q.sizes());
   const int64_t D = q.size(2);
   TORCH_CHECK_VALUE(k.size(-1) == D && v.sizes() == k.sizes(), "tonp.", op, ": head_dim mismatch: q ", q.sizes(), ", k ",
                     k.sizes(), ", v ", v.sizes());
   TORCH_CHECK_VALUE(D % 8 == 0 && D > 0, "tonp.", op, ": head_dim must be a positive multiple of 8, got ", D);
-  TORCH_CHECK_VALUE(q.size(1) % k.size(-2) == 0, "tonp.", op, ": ", q.size(1), " query heads are not a multiple of ",
-                    k.size(-2), " key-value heads");
+  const int64_t Hq = q.size(1), Hkv = k.size(-2);
+  TORCH_CHECK_VALUE(Hkv >= 1 && Hq >= 1 && Hq % Hkv == 0, "tonp.", op, ": ", Hq, " query heads are not a multiple of ", Hkv,
+                    " key-value heads");
 }
 
 size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
@@ -143,19 +153,28 @@ size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
 
 at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& cu_,
                             double scale, int64_t block) {
-  check_attention(q_, k_, v_, "attention_varlen");
-  TORCH_CHECK(k_.dim() == 3 && k_.size(0) == q_.size(0), "tonp.attention_varlen: k must be [T, Hkv, D] with T = ", q_.size(0));
-  TORCH_CHECK(block > 0, "tonp.attention_varlen: block must be positive");
+  check_attention(q_, k_, v_, "attention_varlen", 3, "[T, Hkv, D]");
+  TORCH_CHECK_VALUE(k_.size(0) == q_.size(0), "tonp.attention_varlen: q has ", q_.size(0), " tokens, k has ", k_.size(0));
+  TORCH_CHECK_VALUE(block > 0, "tonp.attention_varlen: block must be positive, got ", block);
+  check_integer(cu_, "attention_varlen", "cu_seqlens");
+  TORCH_CHECK_VALUE(cu_.dim() == 1, "tonp.attention_varlen: cu_seqlens must be [S+1], got shape ", cu_.sizes());
   const at::Tensor cu = cu_.to(at::kLong).contiguous();
   const int64_t T = q_.size(0), Hq = q_.size(1), Hkv = k_.size(1), D = q_.size(2), G = Hq / Hkv;
   const int64_t S = cu.numel() - 1;
   const int64_t* cp = cu.data_ptr<int64_t>();
-  TORCH_CHECK(S >= 0 && cp[0] == 0 && cp[S] == T, "tonp.attention_varlen: cu_seqlens must run from 0 to T=", T);
+  TORCH_CHECK_VALUE(S >= 0 && cp[0] == 0 && cp[S] == T, "tonp.attention_varlen: cu_seqlens must run from 0 to T=", T,
+                    S >= 0 ? ", got cu_seqlens[0]=" + std::to_string(cp[0]) + ", cu_seqlens[-1]=" + std::to_string(cp[S])
+                           : std::string(", got no entries"));
   std::vector<int64_t> seq_of(T);
+  int64_t longest = 1;
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(cp[s + 1] >= cp[s], "tonp.attention_varlen: cu_seqlens must not decrease");
+    TORCH_CHECK_VALUE(cp[s + 1] >= cp[s], "tonp.attention_varlen: cu_seqlens must not decrease");
     for (int64_t t = cp[s]; t < cp[s + 1]; ++t) seq_of[t] = s;
+    longest = std::max(longest, cp[s + 1] - cp[s]);
   }
+  // A block longer than every sequence is one block per query, whatever its size: the same
+  // arithmetic with a scratch sized by the data, not by the argument.
+  block = std::min(block, longest);
   const at::Tensor q = q_.to(at::kFloat).contiguous(), k = k_.contiguous(), v = v_.contiguous();
   at::Tensor out = at::empty({T, Hq, D}, q.options());
   const Elem kv = k.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
@@ -179,10 +198,19 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
 
 at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at::Tensor& vc_, const at::Tensor& pt_,
                            const at::Tensor& qs_, const at::Tensor& qpos_, double scale) {
-  check_attention(q_, kc_, vc_, "attention_paged");
-  TORCH_CHECK_VALUE(kc_.dim() == 4, "tonp.attention_paged: caches must be [pages, block, kv_heads, head_dim], got ",
-                    kc_.sizes());
-  TORCH_CHECK(kc_.is_contiguous() && vc_.is_contiguous(), "tonp.attention_paged: caches must be contiguous");
+  check_attention(q_, kc_, vc_, "attention_paged", 4, "[pages, block, kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(kc_.size(1) >= 1, "tonp.attention_paged: caches need a block size >= 1, got ", kc_.sizes());
+  TORCH_CHECK_VALUE(kc_.is_contiguous() && vc_.is_contiguous(), "tonp.attention_paged: the CPU kernel needs contiguous caches");
+  check_integer(pt_, "attention_paged", "page_table");
+  check_integer(qs_, "attention_paged", "q_seq");
+  check_integer(qpos_, "attention_paged", "q_pos");
+  TORCH_CHECK_VALUE(pt_.dim() == 2, "tonp.attention_paged: page_table must be [S, max_pages], got shape ", pt_.sizes());
+  if (pt_.scalar_type() != at::kInt && pt_.numel()) {  // narrowed to int32 below: no entry may wrap
+    const auto [lo, hi] = at::aminmax(pt_.to(at::kLong));
+    TORCH_CHECK_INDEX(lo.item<int64_t>() >= INT32_MIN && hi.item<int64_t>() <= INT32_MAX,
+                      "tonp.attention_paged: page_table entries must fit in int32, got [", lo.item<int64_t>(), ", ",
+                      hi.item<int64_t>(), "]");
+  }
   const at::Tensor pt = pt_.to(at::kInt).contiguous(), qs = qs_.to(at::kLong).contiguous(), qpos = qpos_.to(at::kLong).contiguous();
   const int64_t Tq = q_.size(0), Hq = q_.size(1), D = q_.size(2), P = kc_.size(0), B = kc_.size(1), Hkv = kc_.size(2);
   const int64_t G = Hq / Hkv, S = pt.size(0), maxp = pt.size(1);
@@ -224,190 +252,6 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
   return out.to(q_.scalar_type());
 }
 
-// (max, sum) pairs combined by the fixed pairwise tree, in place; the one combine used by the
-// in-kernel chunk tree and by the cross-shard finish.
-void lse_tree(float* m, float* s, int64_t n, const Kernels* kern) {
-  for (int64_t step = 1; step < n; step *= 2)
-    for (int64_t c = 0; c + step < n; c += 2 * step) {
-      const float ma = m[c], mb = m[c + step], mx = ma > mb ? ma : mb;
-      if (mx == -INFINITY) {
-        s[c] = 0.f;
-      } else {
-        const float a = s[c] * kern->exp(ma - mx), b = s[c + step] * kern->exp(mb - mx);
-        s[c] = a + b;
-      }
-      m[c] = mx;
-    }
-}
-
-// logsumexp from the finished (max, sum) pair.
-inline float lse_value(float m, float s) { return m == -INFINITY ? -INFINITY : m + std::log(s); }
-
-std::tuple<at::Tensor, at::Tensor> lse_partial(const at::Tensor& x_, double temperature, int64_t chunks) {
-  TORCH_CHECK(x_.dim() == 2, "tonp.lse_partial: logits must be [M, V]");
-  const Elem e = elem_of(x_, "lse_partial", "logits");
-  TORCH_CHECK(temperature > 0, "tonp.lse_partial: temperature must be positive");
-  const int64_t M = x_.size(0), V = x_.size(1);
-  check_chunks(V, chunks, "lse_partial");
-  TORCH_CHECK(V > 0, "tonp.lse_partial: empty vocabulary");
-  const at::Tensor x = x_.contiguous();
-  at::Tensor m = at::empty({M}, x.options().dtype(at::kFloat)), s = at::empty({M}, m.options());
-  const int64_t esz = e == Elem::F32 ? 4 : 2;
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  const Kernels* kern = K();
-  at::parallel_for(0, M, grain_for(16 * V), [&](int64_t b, int64_t en) {
-    std::vector<float> mc(chunks), sc(chunks);
-    for (int64_t r = b; r < en; ++r) {
-      kern->lse_chunks(xp + r * V * esz, V, e, float(temperature), int(chunks), mc.data(), sc.data());
-      lse_tree(mc.data(), sc.data(), chunks, kern);
-      m.data_ptr<float>()[r] = mc[0];
-      s.data_ptr<float>()[r] = sc[0];
-    }
-  });
-  return {m, s};
-}
-
-at::Tensor lse_finish(const at::Tensor& maxes_, const at::Tensor& sums_) {
-  TORCH_CHECK(maxes_.dim() == 2 && maxes_.sizes() == sums_.sizes() && maxes_.scalar_type() == at::kFloat &&
-                  sums_.scalar_type() == at::kFloat, "tonp.lse_finish: expected fp32 [P, M] maxes and sums");
-  const int64_t P = maxes_.size(0), M = maxes_.size(1);
-  TORCH_CHECK(P >= 1 && (P & (P - 1)) == 0, "tonp.lse_finish: the number of partials must be a power of two, got ", P);
-  const at::Tensor mt = maxes_.t().contiguous(), st = sums_.t().contiguous();  // [M, P]
-  at::Tensor out = at::empty({M}, mt.options());
-  const Kernels* kern = K();
-  std::vector<float> mc(P), sc(P);
-  for (int64_t r = 0; r < M; ++r) {
-    std::copy_n(mt.data_ptr<float>() + r * P, P, mc.data());
-    std::copy_n(st.data_ptr<float>() + r * P, P, sc.data());
-    lse_tree(mc.data(), sc.data(), P, kern);
-    out.data_ptr<float>()[r] = lse_value(mc[0], sc[0]);
-  }
-  return out;
-}
-
-// log p(target) of each row: the target's logit / T minus logsumexp(logits / T), in fp32, the
-// same operations as lse_partial -> lse_finish (one partial) -> logit - lse: one call instead of
-// a dozen on the rollout path, identical bits (tests/test_kernels_vocab.py).
-at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double temperature, int64_t chunks) {
-  TORCH_CHECK_VALUE(x_.dim() == 2 && t_.dim() == 1 && t_.size(0) == x_.size(0), "tonp.token_logprobs: expected logits [M, V] "
-                    "and targets [M], got ", x_.sizes(), " and ", t_.sizes());
-  const Elem e = elem_of(x_, "token_logprobs", "logits");
-  TORCH_CHECK_TYPE(at::isIntegralType(t_.scalar_type(), /*includeBool=*/false),
-                   "tonp.token_logprobs: targets must be integer token ids, got ", t_.scalar_type());
-  TORCH_CHECK_VALUE(temperature > 0, "tonp.token_logprobs: temperature must be positive");
-  const int64_t M = x_.size(0), V = x_.size(1);
-  check_chunks(V, chunks, "token_logprobs");
-  TORCH_CHECK_VALUE(V > 0 || M == 0, "tonp.token_logprobs: empty vocabulary");
-  const at::Tensor x = x_.contiguous(), t = t_.to(at::kLong).contiguous();
-  const int64_t* tp = t.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r)
-    TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "tonp.token_logprobs: target id out of range [0, ", V, "): ", tp[r]);
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kFloat));
-  const int64_t esz = e == Elem::F32 ? 4 : 2;
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  float* op = out.data_ptr<float>();
-  const float T = float(temperature);
-  const Kernels* kern = K();
-  at::parallel_for(0, M, grain_for(16 * V), [&](int64_t b, int64_t en) {
-    std::vector<float> mc(chunks), sc(chunks);
-    for (int64_t r = b; r < en; ++r) {
-      const char* row = xp + r * V * esz;
-      kern->lse_chunks(row, V, e, T, int(chunks), mc.data(), sc.data());
-      lse_tree(mc.data(), sc.data(), chunks, kern);
-      const float logit = e == Elem::F32 ? reinterpret_cast<const float*>(row)[tp[r]]
-                                         : float(c10::BFloat16(reinterpret_cast<const uint16_t*>(row)[tp[r]],
-                                                               c10::BFloat16::from_bits()));
-      const float scaled = temperature != 1.0 ? logit / T : logit;
-      op[r] = scaled - lse_value(mc[0], sc[0]);
-    }
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x_) {
-  TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "tonp.max_with_index: logits must be [M, V] with V > 0");
-  elem_of(x_, "max_with_index", "logits");
-  const at::Tensor x = f32_contiguous(x_);
-  const int64_t M = x.size(0), V = x.size(1);
-  at::Tensor val = at::empty({M}, x.options()), idx = at::empty({M}, x.options().dtype(at::kLong));
-  at::parallel_for(0, M, grain_for(V), [&](int64_t b, int64_t en) {
-    for (int64_t r = b; r < en; ++r) {
-      const float* row = x.data_ptr<float>() + r * V;
-      int64_t best = 0;
-      for (int64_t i = 1; i < V; ++i)
-        if (row[i] > row[best] || (std::isnan(row[best]) && !std::isnan(row[i]))) best = i;  // strict: lowest index wins
-      val.data_ptr<float>()[r] = row[best];
-      idx.data_ptr<int64_t>()[r] = best;
-    }
-  });
-  return {val, idx};
-}
-
-inline uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Seeded sampling: Gumbel-max over the kept tokens, noise = hash(seed, request, position, token).
-at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, double top_p, int64_t seed,
-                  const at::Tensor& req_, const at::Tensor& pos_) {
-  TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "tonp.sample: logits must be [M, V]");
-  elem_of(x_, "sample", "logits");
-  TORCH_CHECK(temperature > 0, "tonp.sample: temperature must be positive (0 means greedy: use argmax)");
-  const at::Tensor x = x_.to(at::kFloat).contiguous(), req = req_.to(at::kLong).contiguous(), pos = pos_.to(at::kLong).contiguous();
-  const int64_t M = x.size(0), V = x.size(1);
-  TORCH_CHECK(req.numel() == M && pos.numel() == M, "tonp.sample: request_ids and positions must have ", M, " entries");
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
-  const float T = float(temperature);
-  const Kernels* kern = K();
-  at::parallel_for(0, M, grain_for(64 * V), [&](int64_t b, int64_t en) {
-    std::vector<float> y(V);
-    std::vector<int64_t> order(V);
-    std::vector<char> keep(V);
-    for (int64_t r = b; r < en; ++r) {
-      const float* row = x.data_ptr<float>() + r * V;
-      for (int64_t i = 0; i < V; ++i) y[i] = row[i] / T;
-      std::fill(keep.begin(), keep.end(), 1);
-      const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.0;
-      if (use_k || use_p) {
-        for (int64_t i = 0; i < V; ++i) order[i] = i;
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return y[a] > y[c]; });
-        int64_t kept = use_k ? top_k : V;
-        if (use_p) {  // smallest prefix (of the top-k) whose probability mass reaches top_p
-          const float mx = y[order[0]];
-          float z = 0.f;
-          for (int64_t i = 0; i < kept; ++i) z = z + kern->exp(y[order[i]] - mx);
-          float cum = 0.f;
-          int64_t n = 0;
-          while (n < kept) {
-            cum = cum + kern->exp(y[order[n]] - mx) / z;
-            ++n;
-            if (cum >= float(top_p)) break;
-          }
-          kept = n;
-        }
-        std::fill(keep.begin(), keep.end(), 0);
-        for (int64_t i = 0; i < kept; ++i) keep[order[i]] = 1;
-      }
-      const uint64_t base = splitmix64(splitmix64(uint64_t(seed)) ^ splitmix64(uint64_t(req.data_ptr<int64_t>()[r]) + 0x5851f42d4c957f2dull));
-      const uint64_t key = splitmix64(base ^ splitmix64(uint64_t(pos.data_ptr<int64_t>()[r]) * 0x2545f4914f6cdd1dull));
-      int64_t best = -1;
-      double best_score = -INFINITY;
-      for (int64_t i = 0; i < V; ++i) {
-        if (!keep[i] || y[i] == -INFINITY) continue;
-        const uint64_t h = splitmix64(key ^ uint64_t(i));
-        const double u = (double(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // (0, 1)
-        const double score = double(y[i]) - std::log(-std::log(u));
-        if (best < 0 || score > best_score) best = i, best_score = score;
-      }
-      out.data_ptr<int64_t>()[r] = best < 0 ? 0 : best;
-    }
-  });
-  return out;
-}
-
 // RoPE (rotate-half, HF's default): out = x * cos + rotate_half(x) * sin at each row's position,
 // with cos/sin looked up in fp32 tables and rounded to x's dtype, and each product and the sum
 // rounded to x's dtype: the roundings of the same expression in torch ops. Elementwise, so a
@@ -440,6 +284,7 @@ at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& 
                     "tonp.rope: cos/sin tables must be [positions, ", x_.size(2), "], got ", cos_.sizes(), " and ", sin_.sizes());
   TORCH_CHECK_VALUE(pos_.dim() == 1 && pos_.size(0) == x_.size(0), "tonp.rope: positions must be [", x_.size(0), "], got ",
                     pos_.sizes());
+  check_integer(pos_, "rope", "positions");
   const at::Tensor x = x_.contiguous(), c = cos_.contiguous(), s = sin_.contiguous(), pos = pos_.to(at::kLong).contiguous();
   const int64_t T = x.size(0), Hh = x.size(1), D = x.size(2), P = c.size(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -464,11 +309,6 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("attention_varlen", &attention_varlen);
   m.impl("attention_paged", &attention_paged);
-  m.impl("lse_partial", &lse_partial);
-  m.impl("lse_finish", &lse_finish);
-  m.impl("max_with_index", &max_with_index);
-  m.impl("token_logprobs", &token_logprobs);
-  m.impl("sample", &sample);
   m.impl("rope", &rope);
 }
 

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include "kernels.h"
 
@@ -92,6 +95,40 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
   TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
                     " (the chunk tree needs C | K)");
+}
+
+// Index tensors (ids, positions, offsets, page tables) must hold integers: a float or bool one
+// would be truncated silently by a conversion.
+inline void check_integer(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK_TYPE(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "tonp.", op, ": ", what,
+                   " must be an integer tensor, got ", t.scalar_type());
+}
+
+// The temperature rule of tonp_kernels.check_temperature: its fp32 value (what the kernels divide
+// by) is a positive normal number (a smaller one is 0 or a denormal, a larger one inf).
+inline void check_temperature(double t, const char* op) {
+  const float f = float(t);
+  TORCH_CHECK_VALUE(f > 0.f && std::isnormal(f), "tonp.", op, ": temperature must be a number whose fp32 value is a normal ",
+                    "float, in [", FLT_MIN, ", ", FLT_MAX, "], got ", t);
+}
+
+// Per-row verdicts of the vocabulary ops, reported after the parallel loop for the lowest bad row
+// (so the message does not depend on which thread saw what first).
+enum RowIssue : int8_t { kRowOk = 0, kRowNan, kRowInf, kRowMasked };
+
+// From a row's (max, sum) of logits / T: +inf max, or masked (max -inf, sum 0; a NaN row has
+// max -inf and sum NaN, and gives NaN).
+inline RowIssue row_issue(float mx, float sum) {
+  return mx == INFINITY ? kRowInf : mx == -INFINITY && sum == 0.f ? kRowMasked : kRowOk;
+}
+
+inline void check_rows(const std::vector<int8_t>& issues, const char* op, double temperature) {
+  for (size_t r = 0; r < issues.size(); ++r) {
+    TORCH_CHECK_VALUE(issues[r] != kRowNan, "tonp.", op, ": row ", r, " holds a NaN logit");
+    TORCH_CHECK_VALUE(issues[r] != kRowInf, "tonp.", op, ": row ", r, ": logits / temperature reach +inf (an infinite logit, or "
+                      "fp32 overflow at temperature=", temperature, "); its softmax is undefined");
+    TORCH_CHECK_VALUE(issues[r] != kRowMasked, "tonp.", op, ": row ", r, ": every logit is -inf; its softmax is undefined");
+  }
 }
 
 }  // namespace tonp

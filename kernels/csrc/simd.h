@@ -177,4 +177,67 @@ inline V8 vexp(V8 x) {
 
 inline float sexp(float x) { return lane(vexp(vset1(x)), 0); }
 
+// Exponent split and an equality select, for vlog. vfrexp: x = m * 2^e for a positive normal x,
+// m in [0.5, 1) (the exponent field set to 126), e integral; other inputs give garbage that
+// vlog replaces.
+#if TONP_AVX2
+inline V8 vfrexp(V8 x, V8* e) {
+  const __m256i b = _mm256_castps_si256(x.v);
+  const __m256i ex = _mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xff));
+  e->v = _mm256_cvtepi32_ps(_mm256_sub_epi32(ex, _mm256_set1_epi32(126)));
+  const __m256i mant = _mm256_and_si256(b, _mm256_set1_epi32(0x007fffff));
+  return {_mm256_castsi256_ps(_mm256_or_si256(mant, _mm256_set1_epi32(0x3f000000)))};
+}
+inline V8 vsel_eq(V8 a, V8 b, V8 x, V8 y) { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ))}; }
+#else
+inline V8 vfrexp(V8 x, V8* e) {
+  V8 m;
+  for (int i = 0; i < 8; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &x.v[i], 4);
+    e->v[i] = float(int32_t((b >> 23) & 0xffu) - 126);
+    b = (b & 0x007fffffu) | 0x3f000000u;
+    std::memcpy(&m.v[i], &b, 4);
+  }
+  return m;
+}
+inline V8 vsel_eq(V8 a, V8 b, V8 x, V8 y) {
+  for (int i = 0; i < 8; ++i) y.v[i] = a.v[i] == b.v[i] ? x.v[i] : y.v[i];
+  return y;
+}
+#endif
+
+// log(x) (Cephes logf, ~1 ulp; its Triton twin is tonp_kernels/accel/numerics.py `log`): x = m 2^e
+// from the exponent bits (denormals scaled by 2^23 first), m folded into [sqrt(1/2), sqrt(2)) as
+// 1 + f (exact), a degree-8 polynomial in f by FMAs, e ln2 added with a two-constant ln2.
+// log(+-0) = -inf, log(x < 0) = NaN, log(inf) = inf, NaN stays NaN.
+inline V8 vlog(V8 x) {
+  const V8 one = vset1(1.0f), tiny = vset1(1.17549435e-38f), sqrthf = vset1(0.707106781186547524f);
+  const V8 xs = vsel_lt(x, tiny, vmul(x, vset1(8388608.0f)), x);
+  V8 e;
+  const V8 m = vfrexp(xs, &e);
+  e = vsub(e, vsel_lt(x, tiny, vset1(23.0f), vzero()));
+  const V8 f = vsel_lt(m, sqrthf, vsub(vadd(m, m), one), vsub(m, one));
+  e = vsel_lt(m, sqrthf, vsub(e, one), e);
+  const V8 z = vmul(f, f);
+  V8 p = vfma(f, vset1(7.0376836292e-2f), vset1(-1.1514610310e-1f));
+  p = vfma(p, f, vset1(1.1676998740e-1f));
+  p = vfma(p, f, vset1(-1.2420140846e-1f));
+  p = vfma(p, f, vset1(1.4249322787e-1f));
+  p = vfma(p, f, vset1(-1.6668057665e-1f));
+  p = vfma(p, f, vset1(2.0000714765e-1f));
+  p = vfma(p, f, vset1(-2.4999993993e-1f));
+  p = vfma(p, f, vset1(3.3333331174e-1f));
+  V8 y = vmul(vmul(p, f), z);
+  y = vfma(e, vset1(-2.12194440e-4f), y);
+  y = vfma(z, vset1(-0.5f), y);
+  V8 r = vfma(e, vset1(0.693359375f), vadd(f, y));
+  r = vsel_lt(x, vzero(), vset1(NAN), r);
+  r = vsel_eq(x, vzero(), vset1(-INFINITY), r);
+  r = vsel_eq(x, vset1(INFINITY), x, r);
+  return vsel_nan(x, x, r);
+}
+
+inline float slog(float x) { return lane(vlog(vset1(x)), 0); }
+
 }  // namespace tonp_simd

@@ -6,16 +6,10 @@
     print(diag.first)                                         # None: no divergence
     write_report(diag, "out/")                                # out/diagnosis.txt + .json
 
-Paths (see paths.py): the training forward ("train" packed, "padded") vs the decode path
-("decode": prefill + one token per step through a PagedKVCache), two kernel modes ("invariant",
-"torch"), two checkpoints (model_b=), two TP/EP layouts under torchrun (layout.compare_layouts,
-e.g. "train" vs "decode,tp=2,ep=2": every rank captures, rank 0 merges and compares).
-External engines: `compare_external(model, load_jsonl(path))` (see external.py).
-Command line: `python -m tonp_models.diagnose --help`.
-
-Modules: capture.py (hooks and kernel proxies that record every op boundary), paths.py (the
-paths), compare.py (alignment, first divergence, classification), layout.py (TP/EP captures
-merged on rank 0), report.py (text and JSON), external.py (other engines' logprobs).
+TP/EP layouts: compare_layouts under torchrun; other engines: compare_external(model,
+load_jsonl(path)); the command line: `python -m tonp_models.diagnose --help`.
+Modules: capture (forward hooks + the layers' probe seam), paths, compare, layout, report,
+external, inputs (JSONL files). docs/diagnose.md explains how it works.
 """
 from __future__ import annotations
 
@@ -23,7 +17,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .capture import Capture, Record, Trace, probe
+from ..layers.probe import probe
+from .capture import Capture, Record, Trace
 from .compare import (CLASSES, COLLECTIVE, OPERATOR, PRECISION, PROPAGATED, ROUTING, WEIGHTS,
                       Diagnosis, OpDiff, compare_traces, differing_parameters)
 from .layout import compare_layouts, merge_ranks, run_layout

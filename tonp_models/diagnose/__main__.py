@@ -11,13 +11,14 @@
 A path is a comma list of: a kind (train | padded | decode), a kernel mode (invariant |
 torch), tp=N, ep=N, ckpt[=PATH]; the two paths are joined by ':'. Side B loads --hf-b when
 given (or its own ckpt=PATH). Sequences come from --tokens FILE.jsonl ({"token_ids": [...],
-"prompt_len": p} per line) or are drawn at random (--num-seqs, --seq-len, --seed).
-Writes OUT/diagnosis.txt + .json (and OUT/external.txt, .json, _hist.png) and prints the text.
+"prompt_len": p} per line, or examples/rollout.py's output) or are drawn at random (--num-seqs,
+--seq-len, --seed). Writes OUT/diagnosis.txt + .json (and OUT/external.txt, .json, _hist.png)
+and prints the text. Bad input: a one-line error on stderr naming file and line, exit code 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 
@@ -26,15 +27,17 @@ import torch
 from ..qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .compare import compare_traces, differing_parameters
 from .external import compare_external, format_external, load_jsonl, write_external_report
+from .inputs import load_tokens
 from .layout import run_layout
 from .paths import PathSpec, run_path
 from .report import format_text, write_report
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_PROG = "python -m tonp_models.diagnose"
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m tonp_models.diagnose",
+    p = argparse.ArgumentParser(prog=_PROG,
                                 description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a Qwen3MoeConfig preset with random weights (e.g. tiny)")
@@ -44,19 +47,46 @@ def _args(argv):
     p.add_argument("--paths", help="A:B, e.g. train:decode, invariant:torch, ckpt:ckpt, "
                                    "tp=1:tp=2 (default train:decode unless --external alone)")
     p.add_argument("--tokens", help="JSONL with token_ids (and prompt_len) per line")
-    p.add_argument("--num-seqs", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, help="prefill length of the decode path")
+    p.add_argument("--num-seqs", type=_at_least(1), default=3)
+    p.add_argument("--seq-len", type=_at_least(2), default=24)
+    p.add_argument("--prompt-len", type=_at_least(1), help="prefill length of the decode path")
     p.add_argument("--seed", type=int, default=0, help="weights (--preset) and random tokens")
     p.add_argument("--external", help="JSONL of another engine's per-token logprobs")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--threshold", type=float, default=1e-3,
-                   help="|logprob diff| above which an external token counts as divergent")
+    p.add_argument("--temperature", type=_finite(0, False), default=1.0,
+                   help="the temperature of the external logprobs (rollout.py: 1 when greedy)")
+    p.add_argument("--threshold", type=_finite(0, True), default=1e-3,
+                   help="|logprob diff| above which an external token counts as divergent "
+                        "(0: anything not bitwise equal)")
     p.add_argument("--out", required=True, help="output directory")
     a = p.parse_args(argv)
     if a.paths is None and a.external is None:
         a.paths = "train:decode"
     return a
+
+
+def _at_least(low):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} is below {low}")
+        return v
+    return parse
+
+
+def _finite(low, inclusive):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < low or (v == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number "
+                                             f"{'>=' if inclusive else '>'} {low}")
+        return v
+    return parse
 
 
 def _load(path, dtype, groups=None):
@@ -70,13 +100,7 @@ def _preset(name, seed, dtype):
 
 def _sequences(args, vocab):
     if args.tokens:
-        seqs, pls = [], []
-        with open(args.tokens) as fh:
-            for line in fh:
-                if line.strip():
-                    rec = json.loads(line)
-                    seqs.append(torch.tensor(rec.get("token_ids", rec.get("input_ids"))))
-                    pls.append(rec.get("prompt_len"))
+        seqs, pls = load_tokens(args.tokens, vocab)
         pl = [p if p is not None else max(1, len(s) // 2) for p, s in zip(pls, seqs)]
         return seqs, (pl if args.prompt_len is None else [args.prompt_len])
     g = torch.Generator().manual_seed(args.seed)
@@ -91,17 +115,29 @@ def _distributed(specs) -> bool:
 
 def main(argv=None) -> int:
     args = _args(argv)
+    try:
+        return _main(args)
+    except (ValueError, TypeError, IndexError, OSError) as e:  # bad input: one line, no trace
+        msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"{_PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
     dtype = _DTYPES.get(args.dtype)
     specs = [PathSpec.parse(s) for s in args.paths.split(":")] if args.paths else []
     if args.paths and len(specs) != 2:
-        raise SystemExit(f"--paths takes two paths joined by ':', got {args.paths!r}")
+        raise ValueError(f"--paths takes two paths joined by ':', got {args.paths!r}")
     if args.paths and specs[0].label == specs[1].label and not args.hf_b and \
             not specs[1].ckpt:
-        raise SystemExit(f"--paths {args.paths}: both sides are the same path; a checkpoint "
+        raise ValueError(f"--paths {args.paths}: both sides are the same path; a checkpoint "
                          f"comparison needs --hf-b (or ckpt=PATH)")
+    external = load_jsonl(args.external) if args.external else None  # before any model work
+    if args.tokens:
+        load_tokens(args.tokens)
     os.makedirs(args.out, exist_ok=True)
     if specs and _distributed(specs):
-        return _main_distributed(args, specs, dtype)
+        return _main_distributed(args, specs, dtype, external)
     model_a = _preset(args.preset, args.seed, dtype) if args.preset else _load(args.hf, dtype)
     seqs, pls = _sequences(args, model_a.config.vocab_size)
     if specs:
@@ -116,15 +152,15 @@ def main(argv=None) -> int:
         write_report(diag, args.out)
         print(format_text(diag))
     if args.external:
-        rep = compare_external(model_a, load_jsonl(args.external),
-                               temperature=args.temperature, threshold=args.threshold)
+        rep = compare_external(model_a, external, temperature=args.temperature,
+                               threshold=args.threshold)
         paths = write_external_report(rep, args.out)
         print(format_external(rep))
         print(f"histogram: {paths['png']}")
     return 0
 
 
-def _main_distributed(args, specs, dtype) -> int:
+def _main_distributed(args, specs, dtype, external) -> int:
     """Every rank runs both paths (TP/EP layouts via tonp_parallel); rank 0 compares."""
     import tonp_parallel as tpar
     import torch.distributed as dist
@@ -147,8 +183,8 @@ def _main_distributed(args, specs, dtype) -> int:
         write_report(diag, args.out)
         print(format_text(diag))
     if args.external and dist.get_rank() == 0:
-        rep = compare_external(_load(ckpt, dtype), load_jsonl(args.external),
-                               temperature=args.temperature, threshold=args.threshold)
+        rep = compare_external(_load(ckpt, dtype), external, temperature=args.temperature,
+                               threshold=args.threshold)
         write_external_report(rep, args.out)
         print(format_external(rep))
     dist.barrier()

@@ -1,20 +1,9 @@
 """Align two traces token by token and find the first op (in forward order) whose outputs differ.
 
-Rows are matched by their keys (sequence, position, expert), so a whole-sequence pass lines up
-with prefill + decode steps. Ops are visited in forward order (the order of first appearance in
-trace A, with ops only B has slotted in after their predecessor). A token is "tainted" once an
-op differed for it or for an earlier position of its sequence (attention mixes positions); a
-differing row that is not tainted is an origin of divergence, classified as:
-
-* "routing decision flipped": the chosen expert ids differ (router logits were equal);
-* "collective order": the result of a reduce over ranks differs although every rank's local
-  partial was equal;
-* "precision cast": the dtypes differ, or the values agree once rounded to bfloat16/float16 and
-  one side already holds such rounded values;
-* "weights differ": two checkpoints hold different parameters for the module of the op;
-* "operator arithmetic": the op's inputs (and weights) were bitwise equal (every earlier op
-  matched for the token and its prefix) and its output differs.
-Differing rows that are tainted are "input already differed" (propagation).
+Rows are matched by their keys (sequence, position, expert). A differing row whose inputs were
+equal (`DEPS`, the model's dataflow) is an origin, classified as routing, collective order,
+precision cast, weights differ or operator arithmetic; the rest are "input already differed".
+docs/diagnose.md explains each class.
 """
 from __future__ import annotations
 
@@ -173,6 +162,7 @@ def _classify(kind: str, a: torch.Tensor, b: torch.Tensor) -> Tuple[str, str]:
 # position of its sequence (attention), the rest from the same token only. Ops not listed (e.g.
 # probes) are checked conservatively against every earlier op.
 _PREV = ("prev", 0, False)
+_NORM2 = ("post_attention_layernorm", 0, False)
 DEPS = {
     "embed": [], "input_layernorm": [_PREV],
     "q_proj": [("input_layernorm", 0, False)], "k_proj": [("input_layernorm", 0, False)],
@@ -180,25 +170,29 @@ DEPS = {
     "q_norm": [("q_proj", 0, False)], "k_norm": [("k_proj", 0, False)], "positions": [],
     "q_rope": [("q_norm", 0, False), ("positions", 0, False)],
     "k_rope": [("k_norm", 0, False), ("positions", 0, False)],
-    "attn.k": [("k_rope", 0, False)], "attn.v": [("v_proj", 0, False)],
-    "attention": [("q_rope", 0, False), ("attn.k", 0, True), ("attn.v", 0, True)],
-    "o_proj.partial": [("attention", 0, False)], "o_proj.reduce": [("o_proj.partial", 0, False)],
-    "o_proj": [("attention", 0, False), ("o_proj.reduce", 0, False)],
+    "self_attn.k": [("k_rope", 0, False)], "self_attn.v": [("v_proj", 0, False)],
+    "self_attn.attention": [("q_rope", 0, False), ("self_attn.k", 0, True),
+                            ("self_attn.v", 0, True)],
+    "o_proj.partial": [("self_attn.attention", 0, False)],
+    "o_proj.reduce": [("o_proj.partial", 0, False)],
+    "o_proj": [("self_attn.attention", 0, False), ("o_proj.reduce", 0, False)],
     "residual": [_PREV, ("o_proj", 0, False)],
     "post_attention_layernorm": [("residual", 0, False)],
-    "router_logits": [("post_attention_layernorm", 0, False)],
-    "route.ids": [("router_logits", 0, False)], "route.weights": [("router_logits", 0, False)],
-    "expert.gate_up": [("post_attention_layernorm", 0, False), ("route.ids", 0, False)],
-    "expert.act": [("expert.gate_up", 0, False)], "expert.down": [("expert.act", 0, False)],
-    "combine": [("route.ids", 0, False), ("route.weights", 0, False),
-                ("expert.down", 0, False)],
-    "gate_proj": [("post_attention_layernorm", 0, False)],
-    "up_proj": [("post_attention_layernorm", 0, False)],
+    "mlp.router_logits": [_NORM2],
+    "mlp.route.ids": [("mlp.router_logits", 0, False)],
+    "mlp.route.weights": [("mlp.router_logits", 0, False)],
+    "mlp.expert.gate_up": [_NORM2, ("mlp.route.ids", 0, False)],
+    "mlp.expert.act": [("mlp.expert.gate_up", 0, False)],
+    "mlp.expert.down": [("mlp.expert.act", 0, False)],
+    "mlp.experts": [_NORM2, ("mlp.route.ids", 0, False)],   # the fused op: not the path above
+    "mlp.combine": [("mlp.route.ids", 0, False), ("mlp.route.weights", 0, False),
+                    ("mlp.experts", 0, False)],
+    "gate_proj": [_NORM2], "up_proj": [_NORM2],
     "mlp.act": [("gate_proj", 0, False), ("up_proj", 0, False)],
     "down_proj.partial": [("mlp.act", 0, False)],
     "down_proj.reduce": [("down_proj.partial", 0, False)],
     "down_proj": [("mlp.act", 0, False), ("down_proj.reduce", 0, False)],
-    "layer_out": [("residual", 0, False), ("combine", 0, False), ("down_proj", 0, False)],
+    "layer_out": [("residual", 0, False), ("mlp.combine", 0, False), ("down_proj", 0, False)],
     "final_norm": [_PREV], "logits": [("final_norm", 0, False)],
     "logprobs": [("logits", 0, False)],
 }

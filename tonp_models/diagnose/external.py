@@ -1,25 +1,10 @@
 """Compare tonp's training-forward logprobs with per-token logprobs exported by another engine.
 
-Input: JSONL, one sequence per line. The canonical form is
+    rep = compare_external(model, load_jsonl("vllm.jsonl"), temperature=1.0, threshold=0.0)
+    write_external_report(rep, "out/")          # external.txt, .json, _hist.png
 
-    {"token_ids": [t0, t1, ..., tn-1], "logprobs": [...], "prompt_len": p}   (prompt_len optional)
-
-where "logprobs" holds log p(t_j | t_<j) either for every token (n entries; the first, having
-no context, is null), for tokens 1..n-1 (n - 1 entries), or, with prompt_len, for the response
-tokens p..n-1 only (n - p entries). Any entry may be null (not compared). An entry may also be a
-{token id: logprob or {"logprob": x}} dict (top-logprobs), from which the actual token's value is
-taken. Also accepted, as exported by the engines:
-
-* vLLM (RequestOutput as JSON): {"prompt_token_ids": [...], "prompt_logprobs": [null, {...}, ...]
-  (optional), "outputs": [{"token_ids": [...], "logprobs": [{id: {"logprob": x, ...}}, ...]}]},
-  or flat {"prompt_token_ids", "output_token_ids" | "token_ids", "logprobs"};
-* SGLang: {"input_ids" | "prompt_token_ids", "output_ids" (optional), "meta_info":
-  {"output_token_logprobs": [[logprob, token_id, text], ...], "input_token_logprobs": [...]}};
-* transformers: the canonical form, or "input_ids" for "token_ids" (e.g. the gathered
-  log_softmax of a forward).
-
-Output: per-token |diff| statistics, the first divergent token of each sequence and a PNG
-histogram of log10 |diff|.
+Input: JSONL, one sequence a line: {"token_ids", "logprobs", "prompt_len"?}, examples/rollout.py's
+output, a vLLM RequestOutput or an SGLang response (docs/diagnose.md gives each shape).
 """
 from __future__ import annotations
 
@@ -31,23 +16,30 @@ from typing import List, Optional
 
 import torch
 
+from .inputs import check_vocab, int_list, read_jsonl, token_record
+from .report import json_safe
+
 DEFAULT_THRESHOLD = 1e-3
 
 
 @dataclass
 class ExternalSequence:
-    """token_ids int64 [n]; logprobs fp64 [n]: logprobs[j] = log p(t_j | t_<j), NaN = absent."""
+    """token_ids int64 [n]; logprobs fp64 [n]: logprobs[j] = log p(t_j | t_<j), NaN = absent;
+    where: the record's origin ("file:line") for error messages."""
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     prompt_len: Optional[int] = None
     source: str = "tonp"
+    where: str = ""
 
 
 def _value(entry, token: int) -> float:
     """A logprob entry: a number, null, or a {token id: number | {"logprob": x}} dict."""
     if entry is None:
         return math.nan
-    if isinstance(entry, (int, float)):
+    if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+        if math.isnan(entry):
+            raise ValueError("the logprob is NaN")
         return float(entry)
     if isinstance(entry, (list, tuple)) and entry:  # SGLang's (logprob, token_id, text)
         return _value(entry[0], token)
@@ -61,71 +53,92 @@ def _value(entry, token: int) -> float:
     raise ValueError(f"cannot read a logprob from {entry!r}")
 
 
-def _aligned(ids: List[int], lps: list, prompt_len: Optional[int], where: str) -> List[float]:
+def _aligned(ids: List[int], lps, prompt_len: Optional[int], where: str,
+             offset: Optional[int] = None) -> torch.Tensor:
+    """fp64 [n]: the logprob entries placed on their tokens (offset None: inferred from the
+    count, see the module doc); NaN where absent and at token 0."""
     n = len(ids)
-    if len(lps) == n:
-        offset = 0
-    elif len(lps) == n - 1:
-        offset = 1
-    elif prompt_len is not None and len(lps) == n - prompt_len:
-        offset = prompt_len
-    else:
-        raise ValueError(f"{where}: {len(lps)} logprobs for {n} tokens; expected {n}, {n - 1} "
-                         f"or n - prompt_len")
+    if not isinstance(lps, list):
+        raise ValueError(f"{where}: 'logprobs' must be an array, got {type(lps).__name__}")
+    if offset is None:
+        if len(lps) == n:
+            offset = 0
+        elif len(lps) == n - 1:
+            offset = 1
+        elif prompt_len is not None and len(lps) == n - prompt_len:
+            offset = prompt_len
+        else:
+            raise ValueError(f"{where}: {len(lps)} logprobs for {n} tokens; expected {n}, "
+                             f"{n - 1} or n - prompt_len")
+    elif len(lps) != n - offset:
+        raise ValueError(f"{where}: {len(lps)} logprobs for {n - offset} completion tokens")
     out = [math.nan] * n
     for j, e in enumerate(lps):
-        out[j + offset] = _value(e, ids[j + offset])
+        try:
+            out[j + offset] = _value(e, ids[j + offset])
+        except ValueError as err:
+            raise ValueError(f"{where}: logprob of token {j + offset}: {err}") from None
     out[0] = math.nan  # the first token has no context: never compared
-    return out
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def parse_record(rec: dict, where: str = "record") -> ExternalSequence:
     """One JSON object (any accepted shape, see the module doc) -> ExternalSequence."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "meta_info" in rec:                                               # SGLang
         meta = rec["meta_info"]
-        prompt = list(rec.get("input_ids") or rec.get("prompt_token_ids") or [])
+        prompt = int_list(rec.get("input_ids") or rec.get("prompt_token_ids") or [],
+                          "input_ids", where)
         out_lp = meta.get("output_token_logprobs") or []
-        out_ids = list(rec.get("output_ids") or [e[1] for e in out_lp])
+        out_ids = int_list(rec["output_ids"] if "output_ids" in rec else
+                           [e[1] for e in out_lp], "output_ids", where)
         ids = prompt + out_ids
         in_lp = meta.get("input_token_logprobs")
         lps = (list(in_lp) if in_lp else [None] * len(prompt)) + list(out_lp)
-        return ExternalSequence(torch.tensor(ids), torch.tensor(
-            _aligned(ids, lps, len(prompt), where), dtype=torch.float64), len(prompt), "sglang")
+        return _sequence(ids, _aligned(ids, lps, len(prompt), where), len(prompt), "sglang",
+                         where)
     if "prompt_token_ids" in rec:                                        # vLLM
-        prompt = list(rec["prompt_token_ids"])
+        prompt = int_list(rec["prompt_token_ids"], "prompt_token_ids", where)
         if "outputs" in rec:
             o = rec["outputs"][0]
-            out_ids, out_lp = list(o["token_ids"]), list(o.get("logprobs") or [])
+            out_ids, out_lp = int_list(o["token_ids"], "token_ids", where), \
+                list(o.get("logprobs") or [])
         else:
-            out_ids = list(rec.get("output_token_ids", rec.get("token_ids", [])))
+            field = "output_token_ids" if "output_token_ids" in rec else "token_ids"
+            out_ids = int_list(rec.get(field, []), field, where)
             out_lp = list(rec.get("logprobs") or [])
         ids = prompt + out_ids
         plp = rec.get("prompt_logprobs")
         lps = (list(plp) if plp else [None] * len(prompt)) + out_lp
-        return ExternalSequence(torch.tensor(ids), torch.tensor(
-            _aligned(ids, lps, len(prompt), where), dtype=torch.float64), len(prompt), "vllm")
-    ids = rec.get("token_ids", rec.get("input_ids"))
-    if ids is None or "logprobs" not in rec:
-        raise ValueError(f"{where}: expected 'token_ids' (or 'input_ids') and 'logprobs', or a "
-                         f"vLLM / SGLang record; got keys {sorted(rec)}")
-    ids = [int(t) for t in ids]
-    pl = rec.get("prompt_len")
-    return ExternalSequence(torch.tensor(ids), torch.tensor(
-        _aligned(ids, list(rec["logprobs"]), pl, where), dtype=torch.float64), pl, "tonp")
+        return _sequence(ids, _aligned(ids, lps, len(prompt), where), len(prompt), "vllm",
+                         where)
+    if "logprobs" not in rec:
+        raise ValueError(f"{where}: expected 'logprobs' with 'token_ids' (or 'input_ids', or "
+                         f"rollout.py's 'prompt_ids' + 'completion_ids'), or a vLLM / SGLang "
+                         f"record; got keys {sorted(rec)}")
+    ids, pl = token_record(rec, where)
+    if "prompt_ids" in rec or "completion_ids" in rec:                   # examples/rollout.py
+        return _sequence(ids, _aligned(ids, rec["logprobs"], pl, where, offset=pl), pl,
+                         "tonp-rollout", where)
+    return _sequence(ids, _aligned(ids, rec["logprobs"], pl, where), pl, "tonp", where)
+
+
+def _sequence(ids, lps, prompt_len, source, where) -> ExternalSequence:
+    if not ids:
+        raise ValueError(f"{where}: the sequence has no tokens")
+    return ExternalSequence(torch.tensor(ids, dtype=torch.int64), lps, prompt_len, source, where)
 
 
 def load_jsonl(path: str) -> List[ExternalSequence]:
-    """Read every non-empty line of a JSONL file (see the module doc for the shapes)."""
+    """Read every non-empty line of a JSONL file (see the module doc for the shapes); a bad line
+    raises ValueError naming the file and line."""
     seqs = []
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    seqs.append(parse_record(json.loads(line), f"{path}:{i}"))
-                except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
-                    raise ValueError(f"{path}:{i}: unreadable record ({e})") from e
-    if not seqs:
-        raise ValueError(f"{path}: no records")
+    for where, rec in read_jsonl(path):
+        try:
+            seqs.append(parse_record(rec, where))
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(f"{where}: unreadable record ({type(e).__name__}: {e})") from None
     return seqs
 
 
@@ -145,13 +158,21 @@ class ExternalReport:
 
 def compare_external(model, sequences: List[ExternalSequence], *, temperature: float = 1.0,
                      threshold: float = DEFAULT_THRESHOLD) -> ExternalReport:
-    """Score the sequences with tonp's training forward (`model.token_logprobs`) and compare."""
+    """Score the sequences with tonp's training forward (`model.token_logprobs`) and compare.
+    temperature: the one the engine's logprobs were computed at (> 0); threshold >= 0."""
+    for name, v, low in (("temperature", temperature, "> 0"), ("threshold", threshold, ">= 0")):
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+                (low == "> 0" and v == 0):
+            raise ValueError(f"compare_external: {name} must be a finite number {low}, got {v!r}")
+    for s in sequences:
+        check_vocab(s.token_ids.tolist(), model.config.vocab_size, s.where or "a sequence")
     with torch.no_grad():
         ours = model.token_logprobs([s.token_ids for s in sequences], temperature=temperature)
     all_d, diffs, firsts = [], [], []
     for s, lp in zip(sequences, ours):
         d = torch.full((len(s.token_ids),), math.nan, dtype=torch.float64)
-        d[1:] = s.logprobs[1:] - lp.double()
+        ext, lp = s.logprobs[1:], lp.double()
+        d[1:] = torch.where(ext == lp, 0.0, ext - lp)  # equal infinities differ by 0, not NaN
         diffs.append(d.tolist())
         ok = ~d.isnan()
         all_d.append(d[ok])
@@ -192,17 +213,19 @@ def histogram(rep: ExternalReport, path: str) -> str:
     import matplotlib.pyplot as plt
     d = torch.tensor([x for seq in rep.diffs for x in seq], dtype=torch.float64)
     d = d[~d.isnan()].abs()
-    zeros = int((d == 0).sum())
-    nz = d[d > 0].log10()
+    zeros, infinite = int((d == 0).sum()), int(d.isinf().sum())
+    nz = d[(d > 0) & d.isfinite()].log10()
     fig, ax = plt.subplots(figsize=(6, 4))
     if nz.numel():
         ax.hist(nz.numpy(), bins=40)
-    ax.axvline(math.log10(rep.threshold), color="red", linestyle="--",
-               label=f"threshold {rep.threshold:g}")
+    if rep.threshold > 0:  # threshold 0 (flag anything not bitwise) has no log10
+        ax.axvline(math.log10(rep.threshold), color="red", linestyle="--",
+                   label=f"threshold {rep.threshold:g}")
+        ax.legend()
     ax.set_xlabel("log10 |logprob external - logprob tonp|")
     ax.set_ylabel("tokens")
-    ax.set_title(f"{rep.tokens_compared} tokens, {zeros} bitwise equal (not shown)")
-    ax.legend()
+    ax.set_title(f"{rep.tokens_compared} tokens, {zeros} bitwise equal"
+                 + (f", {infinite} infinite" if infinite else "") + " (not shown)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -217,9 +240,7 @@ def write_external_report(rep: ExternalReport, out_dir: str, stem: str = "extern
     with open(paths["text"], "w") as fh:
         fh.write(format_external(rep))
     with open(paths["json"], "w") as fh:
-        body = {k: v for k, v in rep.__dict__.items() if k != "diffs"}
-        body["diffs"] = [[None if math.isnan(x) else x for x in seq] for seq in rep.diffs]
-        json.dump(body, fh, indent=1)
+        json.dump(json_safe(dict(rep.__dict__)), fh, indent=1, allow_nan=False)
     histogram(rep, paths["png"])
     return paths
 

@@ -1,21 +1,9 @@
 """TP/EP layouts: capture per rank, gather to rank 0, merge into one trace comparable with TP 1.
 
-Every rank of a TP group runs the same ops in the same order, so the records line up by index:
-* a record with `shard_dim` (column-parallel outputs, per-head q/k/attention) is concatenated
-  over ranks on that dim (rank order = head / column order), giving the TP-1 tensor; shard_dim
-  0 (the MoE combine under TP x EP: each TP rank combines its share of the tokens) concatenates
-  the rows and their keys;
-* a "partial" record (a rank's fp32 share of a row-parallel reduction) is stacked on a new dim 1
-  ([R, ranks, ...]), so "every rank's partial equal" is one comparison;
-* any other record is replicated: rank 0's copy is kept, and ranks that disagree are noted in
-  `trace.meta["rank_mismatch"]` (a collective that does not give every rank the same bits);
-* expert records ("expert.*", one row per (token, expert)): without EP every TP rank computes
-  every row (rank 0's group's rows are kept). Under EP an expert's rows come from every rank of
-  its EP group: each received row is named from its sender's "dispatch" record (the k-th
-  forward of a layer on the receiver matches the k-th on every sender; rows arrive by source
-  rank, each in its sender's send order), and the rows whose token belongs to rank 0's
-  model-parallel group (data-parallel rank 0) are kept, from whichever rank ran the expert.
-The merged trace holds no "dispatch" records: a single process has none.
+Records line up by index across a TP group: sharded ones are concatenated on their shard dim,
+partials stacked per rank, replicated ones kept from rank 0 (disagreements noted); EP expert
+rows are named from their senders' dispatch records (docs/diagnose.md, "Rows, alignment,
+layouts").
 """
 from __future__ import annotations
 
@@ -59,7 +47,8 @@ def run_layout(ckpt: str, sequences: Sequence[torch.Tensor], spec: PathSpec, *,
     ep_group = groups.ep_group if model_groups is not None else None
     trace.meta.update(rank=groups.rank, dp_rank=groups.dp_rank,
                       ep_ranks=dist.get_process_group_ranks(ep_group)
-                      if ep_group is not None else [groups.rank])
+                      if ep_group is not None else [groups.rank],
+                      experts_per_rank=model.config.num_experts // spec.ep)
     gathered = gather_traces(trace)
     if gathered is None:
         return None
@@ -89,7 +78,19 @@ def compare_layouts(ckpt: str, sequences: Sequence[torch.Tensor], a, b, *,
 
 
 def _is_expert(r: Record) -> bool:
-    return r.op.startswith("expert.")
+    return r.kind == "expert"
+
+
+def _expert_slots(t: Trace) -> Dict[Optional[int], int]:
+    """Layer -> how many of t's other (non-dispatch) records precede its first expert record."""
+    slots: Dict[Optional[int], int] = {}
+    n = 0
+    for r in t.records:
+        if _is_expert(r):
+            slots.setdefault(r.layer, n)
+        elif r.kind != "dispatch":
+            n += 1
+    return slots
 
 
 def merge_ranks(traces: List[Trace], label: Optional[str] = None) -> Trace:
@@ -105,9 +106,15 @@ def merge_ranks(traces: List[Trace], label: Optional[str] = None) -> Trace:
         raise ValueError(f"merge_ranks: ranks captured different numbers of records {counts}; "
                          f"they did not run the same ops")
     experts = _expert_records(traces, main)
+    slots = _expert_slots(main[0])  # a layer's expert rows go where rank 0 had its first
+    where = {layer: slots.get(layer, len(split[0])) for layer in experts}
     merged = Trace(label or traces[0].label, meta=dict(main[0].meta, ranks=len(main)))
-    mismatch, experts_done = [], set()
-    for i, r0 in enumerate(split[0]):
+    mismatch = []
+    for i, r0 in enumerate(split[0] + [None]):
+        for layer in [k for k, at in where.items() if at == i]:
+            merged.records.extend(experts[layer])
+        if r0 is None:
+            break
         group = [s[i] for s in split]
         if any((r.layer, r.op) != (r0.layer, r0.op) for r in group):
             raise ValueError(f"merge_ranks: record {i} is {[(r.layer, r.op) for r in group]} "
@@ -125,9 +132,6 @@ def merge_ranks(traces: List[Trace], label: Optional[str] = None) -> Trace:
             if any(not torch.equal(r.value, value) for r in group[1:]):
                 mismatch.append(f"layer {r0.layer} {r0.op}")
         merged.records.append(Record(r0.layer, r0.op, keys, value, r0.kind, None, 0))
-        if r0.op == "route.weights" and r0.layer not in experts_done:
-            experts_done.add(r0.layer)  # this layer's expert rows follow its routing
-            merged.records.extend(experts.get(r0.layer, []))
     if mismatch:
         merged.meta["rank_mismatch"] = sorted(set(mismatch))
     return merged
@@ -150,7 +154,8 @@ def _expert_records(traces: List[Trace], main: List[Trace]) -> Dict[Optional[int
         per_rank = t.meta.get("experts_per_rank")
         if rank not in senders or per_rank is None or any(s not in sent for s in senders):
             raise ValueError(f"merge_ranks: rank {rank} ran experts under EP but its EP group "
-                             f"{senders} (or experts per rank) was not captured")
+                             f"{senders} was not captured, or its trace lacks "
+                             f"meta['experts_per_rank'] (run_layout sets both)")
         me = senders.index(rank)
         calls: Dict[Optional[int], int] = {}
         for r in t.records:

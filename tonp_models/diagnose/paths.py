@@ -5,11 +5,8 @@
     trace = run_path(model, seqs, "decode", prompt_lens=[4])   # prefill, then one token per step
     trace = run_path(model, seqs, "train", mode="torch")       # stock torch kernels
 
-The decode path feeds the given tokens (teacher forcing): every sequence prefills its prompt
-in one packed forward through a PagedKVCache, then each step feeds the next token of every
-unfinished sequence together, so a decode step's rows are other sequences' tokens, as in the
-generator. Every path records the per-token logprob log p(seq[j+1] | seq[:j+1]) computed by
-`tonp_kernels.token_logprobs` on that path's logits ("logprobs", layer None).
+Decode feeds the given tokens (teacher forcing), every unfinished sequence together per step.
+Every path records its token logprobs ("logprobs", layer None).
 """
 from __future__ import annotations
 
@@ -65,10 +62,11 @@ class PathSpec:
 
 def run_path(model, sequences: Sequence[torch.Tensor], kind: str = "train", *,
              mode: str = "invariant", prompt_lens: Optional[Sequence[int]] = None,
-             label: Optional[str] = None, rank: int = 0) -> Trace:
+             label: Optional[str] = None, rank: int = 0, detail: bool = True) -> Trace:
     """Run `sequences` (1-D int64 token ids each, len >= 1) through one path and capture it.
 
     prompt_lens (decode only): tokens prefilled per sequence (default: half, at least 1).
+    detail: also record the layers' step-by-step paths (see Capture).
     Returns the Trace (label defaults to "kind/mode").
     """
     if kind not in KINDS:
@@ -76,7 +74,8 @@ def run_path(model, sequences: Sequence[torch.Tensor], kind: str = "train", *,
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     if not seqs or min(len(s) for s in seqs) < 1:
         raise ValueError("run_path: need at least one sequence, each with at least one token")
-    with torch.no_grad(), tk.use(mode), Capture(model, label or f"{kind}/{mode}", rank) as cap:
+    cap = Capture(model, label or f"{kind}/{mode}", rank, detail)
+    with torch.no_grad(), tk.use(mode), cap:
         if kind == "train":
             _train(model, cap, seqs)
         elif kind == "padded":
@@ -107,7 +106,7 @@ def _record_logprobs(cap: Capture, logits, seq_ids, positions, seqs) -> None:
     targets = torch.tensor([int(seqs[seq_ids[i]][positions[i] + 1]) for i in rows])
     idx = torch.tensor(rows)
     lp = tk.token_logprobs(logits.index_select(0, idx), targets)
-    cap.record("logprobs", lp, keys=cap._keys.index_select(0, idx), layer=None)
+    cap.record("logprobs", lp, keys=cap.row_keys().index_select(0, idx), layer=None)
 
 
 def _rows(seqs, starts, counts):

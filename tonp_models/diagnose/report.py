@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Tuple
 
@@ -82,6 +83,17 @@ def to_json(diag: Diagnosis) -> dict:
     }
 
 
+def json_safe(x):
+    """x with every non-finite float made JSON: NaN (absent) -> None, +-inf -> "inf" / "-inf"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def write_report(diag: Diagnosis, out_dir: str, stem: str = "diagnosis") -> Tuple[str, str]:
     """Write out_dir/<stem>.txt and out_dir/<stem>.json; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -89,8 +101,8 @@ def write_report(diag: Diagnosis, out_dir: str, stem: str = "diagnosis") -> Tupl
     with open(txt, "w") as fh:
         fh.write(format_text(diag))
     with open(js, "w") as fh:
-        json.dump(to_json(diag), fh, indent=1, default=str)
+        json.dump(json_safe(to_json(diag)), fh, indent=1, default=str, allow_nan=False)
     return txt, js
 
 
-__all__ = ["format_text", "to_json", "write_report", "NO_DIVERGENCE"]
+__all__ = ["format_text", "to_json", "json_safe", "write_report", "NO_DIVERGENCE"]

@@ -4,8 +4,12 @@ Per token: q/k/v projections (column-parallel: this rank's heads) -> per-head RM
 k -> RoPE at the token's position -> attention -> o_proj (row-parallel). Without a cache the
 attention is `tonp_kernels.attention_varlen` over whole packed sequences; with one, the step's K/V
 are written into the pages first and the queries read positions 0..t through
-`tonp_kernels.attention_paged`. Both visit keys in blocks of `block` positions aligned to
-position 0, so a token gets the same bits either way (CONTRACT.md, Attention).
+`tonp_kernels.attention_paged`; under context parallelism (`cp`, a ContextSplit: this rank
+holds a slice of each sequence) the keys and values of every rank are gathered into pages and
+the local queries read them the same way (layers/context_attention.py). All visit keys in
+blocks of `block` positions aligned to position 0, so a token gets the same bits in every
+path (CONTRACT.md, Attention). Under sequence parallelism (`sp`) the input rows are gathered
+at the entry and o_proj reduce-scatters them back.
 
 Under TP degree t a rank holds num_heads / t query heads. If t divides the KV heads it holds
 num_kv_heads / t of them; if t is a multiple of the KV heads, t / num_kv_heads consecutive ranks
@@ -22,8 +26,10 @@ from torch import nn
 
 import tonp_kernels as tk
 
+from .context_attention import context_attention
 from .linear import ColumnParallelLinear, RowParallelLinear, _divide, _tp_size
 from .norm import RMSNorm
+from .probe import probe, probing
 from .rotary import RotaryEmbedding
 
 
@@ -56,45 +62,55 @@ class Attention(nn.Module):
         self.local_kv_heads = num_kv_heads * kv_copies // t
         self.scale = head_dim ** -0.5
         kw = dict(bias=bias, chunks=chunks, tp_group=tp_group, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, **kw)
+        col = dict(kw, entered=True)   # forward enters the TP region once for q, k and v
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, **col)
         self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, copies=kv_copies,
-                                           **kw)
+                                           **col)
         self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, copies=kv_copies,
-                                           **kw)
+                                           **col)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, **kw)
-        self.q_norm = _HeadNorm(head_dim, rms_norm_eps, dtype, tp_group)
-        self.k_norm = _HeadNorm(head_dim, rms_norm_eps, dtype, tp_group)
+        # Replicated weights, but each TP rank normalises its own heads: gradients summed.
+        head_group = tp_group if t > 1 else None
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype, head_group)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, head_group)
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, *,
-                cu_seqlens: Optional[torch.Tensor] = None, cache=None, step=None
-                ) -> torch.Tensor:
-        """x [T, H] packed tokens; positions int64 [T]; either cu_seqlens int32 [S+1] (whole
-        sequences) or cache + step (a PagedKVCache and its CacheStep). -> [T, H]."""
+                cu_seqlens: Optional[torch.Tensor] = None, cache=None, step=None, cp=None,
+                sp=None) -> torch.Tensor:
+        """x [T, H] packed tokens (under `sp`: this rank's [n, H] of them); positions int64
+        [T]; one of cu_seqlens int32 [S+1] (whole sequences), cache + step (a PagedKVCache and
+        its CacheStep) or cp (a tonp_parallel.ContextSplit; x holds its rows). -> like x."""
+        from tonp_parallel.sequence import enter_tp_region
+        x = enter_tp_region(x, self.tp_group, sp)                                  # (T, H)
         T, D = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(T, self.local_heads, D))               # (T, Hq, D)
         k = self.k_norm(self.k_proj(x).view(T, self.local_kv_heads, D))            # (T, Hkv, D)
         v = self.v_proj(x).view(T, self.local_kv_heads, D)                         # (T, Hkv, D)
         q, k = rotary(q, k, positions)
-        if cache is None:
+        if cp is not None:
+            o = context_attention(q, k, v, cp, scale=self.scale, block=self.block)
+        elif cache is None:
             o = tk.attention_varlen(q, k, v, cu_seqlens, scale=self.scale, block=self.block)
         else:
             cache.write(self.layer_idx, step, k, v)
             o = tk.attention_paged(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
                                    cache.page_table, step.q_seq, step.positions,
                                    scale=self.scale)
-        return self.o_proj(o.reshape(T, self.local_heads * D))                     # (T, H)
+        if probing():
+            self._probe(k, v, o, cache, step)
+        o = o.reshape(T, self.local_heads * D)                                     # (T, Hq*D)
+        return self.o_proj(o) if sp is None else self.o_proj(o, sp=sp)             # (T|n, H)
 
-
-class _HeadNorm(RMSNorm):
-    """RMSNorm over head_dim of this rank's heads. Its weight is replicated over TP, but each
-    rank's gradient covers only its own heads: `copy_to_region` on the weight sums them."""
-
-    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, tp_group=None):
-        super().__init__(head_dim, eps, dtype)
-        self.tp_group, self.tp_size = tp_group, _tp_size(tp_group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return super().forward(x)
-        from tonp_parallel import copy_to_region
-        return tk.rms_norm(x, copy_to_region(self.weight, self.tp_group), self.eps)
+    def _probe(self, k, v, o, cache, step) -> None:
+        """Report the K/V rows of these tokens as the kernel read them (from the pages under a
+        cache) and the attention output, all per head (split over TP ranks on dim 1)."""
+        shard = 1 if self.q_proj.tp_size > 1 else None
+        if cache is not None:
+            B, pos = cache.page_size, step.positions
+            rows = cache.page_table.long()[step.q_seq.long(), pos // B] * B + pos % B  # (T,)
+            k = cache.k[self.layer_idx].flatten(0, 1).index_select(0, rows)        # (T, Hkv, D)
+            v = cache.v[self.layer_idx].flatten(0, 1).index_select(0, rows)
+        probe("k", k, shard_dim=shard)
+        probe("v", v, shard_dim=shard)
+        probe("attention", o, shard_dim=shard)

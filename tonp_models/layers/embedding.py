@@ -44,18 +44,24 @@ class Embedding(nn.Module):
         self.shards: Dict[str, Shard] = {} if self.tp_size == 1 else \
             {"weight": Shard(0, self.vocab_start, self.local_vocab, vocab_size)}
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, sp=None) -> torch.Tensor:
+        """ids int64 [...] -> [..., H]; under sequence parallelism (`sp`, ids [T]) this rank's
+        rows [n, H] (the sum over vocab shards as a reduce-scatter: exact all the same)."""
         flat = ids.reshape(-1)
         if self.tp_size == 1:
-            return self.weight.index_select(0, flat).view(*ids.shape, -1)
+            return self.weight.index_select(0, flat).view(*ids.shape, self.weight.shape[-1])
         from tonp_parallel import reduce_from_region
+        from .probe import probe
         local = flat - self.vocab_start
         foreign = (local < 0) | (local >= self.local_vocab)
         rows = self.weight.index_select(0, local.clamp(0, self.local_vocab - 1))  # (N, H)
         rows = rows.masked_fill(foreign.unsqueeze(1), 0.0)
         # One non-zero addend per element: the fp32 sum is exact, then the cast is too.
-        y = reduce_from_region(rows.float(), self.tp_group).to(self.weight.dtype)
-        return y.view(*ids.shape, -1)
+        if sp is not None and sp.size > 1:
+            return sp.reduce_scatter(rows.float()).to(self.weight.dtype)           # (n, H)
+        y = reduce_from_region(rows.float(), self.tp_group)
+        probe("reduce", y, kind="collective")
+        return y.to(self.weight.dtype).view(*ids.shape, self.weight.shape[-1])
 
 
 class LMHead(nn.Module):

@@ -1,30 +1,27 @@
-"""Tensor-parallel-ready linear layers. Each allocates only its LOCAL shard when built.
+"""Tensor-parallel linear layers; each allocates only its LOCAL shard when built.
 
-At TP degree 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP degree t:
-- ColumnParallelLinear holds out_features / t output rows: copy_to_region(x) then the local
-  linear; the output stays sharded on its last dim.
+At TP 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP t:
+- ColumnParallelLinear holds out_features / t output rows (copy_to_region, then the local
+  linear); its output stays sharded on the last dim. `copies` consecutive ranks may hold the
+  same shard (KV heads when t exceeds them); their gradients are summed over the copies. A
+  layer whose linears share one input enters the region once (`enter_tp_region`: copy, or
+  the sequence-parallel all-gather) and builds them with entered=True.
 - RowParallelLinear holds in_features / t input columns = C / t chunks of the chunk tree: the
-  local fp32 subtree (`linear_partial`), then `reduce_from_region` finishes the tree over ranks
-  in rank order, so the bits equal TP 1 (CONTRACT.md, chunk tree). The bias comes after.
-When TP exceeds the number of shards a weight splits into (KV heads), ColumnParallelLinear
-takes `copies`: that many consecutive TP ranks hold the same shard, and its gradient is summed
-over them (`tonp_parallel.sharding.sum_over_replicas`) so every copy gets the whole gradient.
-
-Every sharded parameter is described by a `Shard` in its module's `shards` dict: which slice of
-the full (TP 1 / EP 1) tensor it holds. The model's init, the checkpoint loader and the saver
-all use it, so a sharded model is exactly the shards of the unsharded one.
-tonp_parallel is imported only on the TP > 1 path (layers sit above parallel in the import
-order, and TP 1 must not need torch.distributed).
+  local fp32 subtree, then `reduce_from_region` finishes the tree over ranks in rank order, so
+  the bits equal TP 1 (CONTRACT.md, chunk tree); under sequence parallelism (`sp`, a
+  tonp_parallel.SequenceSplit) the same tree as a reduce-scatter, keeping this rank's rows.
+  The bias comes after.
+Each sharded parameter is described by a `tonp_parallel.Shard` in the module's `shards`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 import tonp_kernels as tk
+from tonp_parallel.sharding import Shard  # moe.py and embedding.py import it from here too
 
 
 def _tp_size(group) -> int:
@@ -47,45 +44,22 @@ def _divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
-@dataclass(frozen=True)
-class Shard:
-    """A local parameter is full.narrow(dim, start, length) of the full tensor, whose size on
-    `dim` is `full`; `group` names the ParallelGroups group that splits it ("tp" or "ep")."""
-    dim: int
-    start: int
-    length: int
-    full: int
-    group: str = "tp"
-
-    def full_shape(self, local_shape) -> Tuple[int, ...]:
-        shape = list(local_shape)
-        shape[self.dim] = self.full
-        return tuple(shape)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard's slice of the full tensor (a view)."""
-        return full.narrow(self.dim, self.start, self.length)
-
-
-def shards_of(module: nn.Module) -> Dict[str, Shard]:
-    """The module's {local parameter name: Shard} (empty when nothing is sharded)."""
-    return getattr(module, "shards", None) or {}
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x @ W.T (+ b) with W [out_features / s, in_features] local. x [..., in] -> [..., out/s].
 
     Args: in_features, out_features (global sizes), bias, chunks (C of the chunk tree over
     in_features), tp_group (None = TP 1), dtype, out_dtype (e.g. fp32 for the LM head),
-    copies: consecutive TP ranks holding the same shard (s = t / copies shards; KV heads).
+    copies: consecutive TP ranks holding the same shard (s = t / copies shards; KV heads),
+    entered: the owning layer enters the TP region itself (`enter_tp_region`, once for all
+    its linears), so this one does not `copy_to_region` its input.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  chunks: int = tk.DEFAULT_CHUNKS, tp_group=None,
                  dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None,
-                 copies: int = 1):
+                 copies: int = 1, entered: bool = False):
         super().__init__()
-        self.tp_group, self.tp_size = tp_group, _tp_size(tp_group)
+        self.tp_group, self.tp_size, self.entered = tp_group, _tp_size(tp_group), entered
         if copies < 1 or self.tp_size % copies:
             raise ValueError(f"ColumnParallelLinear: copies={copies} must divide the "
                              f"tensor-parallel degree {self.tp_size}")
@@ -106,7 +80,8 @@ class ColumnParallelLinear(nn.Module):
         w, b = self.weight, self.bias
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
-            x = copy_to_region(x, self.tp_group)
+            if not self.entered:
+                x = copy_to_region(x, self.tp_group)
             if self.copies > 1:
                 from tonp_parallel.sharding import sum_over_replicas
                 w = sum_over_replicas(w, self.tp_group, self.copies)
@@ -140,15 +115,19 @@ class RowParallelLinear(nn.Module):
             start = _tp_rank(tp_group) * self.local_in
             self.shards = {"weight": Shard(1, start, self.local_in, in_features)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
+        """x [T, in/t] -> [T, out] (under sequence parallelism `sp`: this rank's [n, out])."""
         if self.tp_size == 1:
             return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
-        # Looked up at call time: the diagnoser wraps tonp_parallel.reduce_from_region.
         from tonp_parallel import reduce_from_region
+        from .probe import probe
         # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the
         # same here after the cross-rank tree, so a bias keeps TP t equal to TP 1.
         partial = tk.linear_partial(x, self.weight, chunks=self.chunks // self.tp_size)
-        y = reduce_from_region(partial, self.tp_group)
+        probe("partial", partial, kind="partial")
+        y = reduce_from_region(partial, self.tp_group) if sp is None else \
+            sp.reduce_scatter(partial)
+        probe("reduce", y, kind="collective")
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
@@ -158,12 +137,4 @@ class RowParallelLinear(nn.Module):
                 f"tp={self.tp_size}, chunks={self.chunks}")
 
 
-def init_normal_(module: nn.Module, std: float) -> None:
-    """HF-like init: weights ~ normal(0, std), biases 0 (in module order, from torch's RNG)."""
-    with torch.no_grad():
-        module.weight.normal_(0.0, std)
-        if getattr(module, "bias", None) is not None:
-            module.bias.zero_()
-
-
-__all__ = ["Shard", "shards_of", "ColumnParallelLinear", "RowParallelLinear", "init_normal_"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

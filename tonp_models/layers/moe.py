@@ -8,8 +8,9 @@
                                             how many rows its expert got)
     out    = moe_combine(w, y[M, K, H])    (sum over slots k = 0..K-1 in fp32)
 
-With `fused_experts = False` the experts run one `linear`/`silu_mul`/`linear` call at a time
-(`_run_local_experts`, the calls inspection tools hook): the same bits, more Python per step.
+The reference path `_per_expert` runs one `linear`/`silu_mul`/`linear` call per expert: the
+fused op's bits (tests/test_model_invariance.py), more Python per step. It serves when
+`fused_experts` is False, and beside the fused op when a probe hook wants detail (layers/probe.py).
 
 Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
@@ -25,6 +26,8 @@ down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id rang
 A row's expert output depends only on the row and the expert's weights, and the combine runs
 where the token lives, so EP = 1, 2, 4 give the same bits. Every rank of the EP group must run
 each forward (and backward) together, with any number of tokens (zero included).
+Under sequence parallelism (`sp`) the block gathers the TP group's rows first and keeps this
+rank's rows of the output: inside, every TP rank holds every token, as without SP.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import tonp_kernels as tk
 
 from .linear import Shard, _tp_rank, _tp_size
 from .probe import probe
+from .probe import probing, wants_detail
 
 
 class SparseMoeBlock(nn.Module):
@@ -63,7 +67,7 @@ class SparseMoeBlock(nn.Module):
         self.local_experts = num_experts // ep_size
         self.first_expert = ep_rank * self.local_experts
         self.intermediate, self.chunks = moe_intermediate_size, chunks
-        self.fused_experts = True  # False: one kernel call per expert (same bits; for inspection)
+        self.fused_experts = True  # False: the per-expert reference path (the same bits)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))  # router
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * moe_intermediate_size,
                                                      hidden_size, dtype=dtype))
@@ -82,24 +86,40 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"SparseMoeBlock: tensor-parallel degree {tp_size} and expert-"
                              f"parallel degree {ep_size} must divide one another")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
+        """x [M, H] (under sequence parallelism `sp`: this rank's [n, H]) -> like x."""
+        if sp is not None and sp.size > 1:
+            # Replicated consumer: every TP rank's x-gradient is the whole one (no sum).
+            return sp.scatter(self.forward(sp.gather(x, sum_grads=False)))
         logits = tk.linear(x, self.gate, chunks=self.chunks)                       # (M, E)
         ids, weights = tk.moe_route(logits, self.top_k, self.norm_topk_prob)       # (M, K) x2
+        if probing():
+            probe("router_logits", logits)
+            probe("route.ids", ids, kind="route")
+            probe("route.weights", weights)
         if self.ep_size > 1:
             return self._forward_ep(x, ids, weights)
-        return tk.moe_combine(weights, self._experts(x, ids))                      # (M, H)
+        out = tk.moe_combine(weights, self._experts(x, ids))                       # (M, H)
+        probe("combine", out)
+        return out
 
-    def _experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, received: bool = False
+                 ) -> torch.Tensor:
         """x [R, H], ids [R, J] (this rank's experts) -> y [R, J, H]: row (r, j) through expert
-        ids[r, j]."""
-        if self.fused_experts:
-            return tk.moe_experts(x, ids, self.gate_up_proj, self.down_proj,
-                                  first_expert=self.first_expert, chunks=self.chunks)
-        flat = ids.reshape(-1)                                                     # (R*J,)
-        order = torch.argsort(flat, stable=True)            # rows grouped by expert, row order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        y_sorted = self._run_local_experts(x, order // ids.shape[1], counts)       # (R*J, H)
-        return y_sorted.index_select(0, _inverse(order)).view(*ids.shape, x.shape[1])
+        ids[r, j]. received: x's rows came from EP peers (for probes)."""
+        if not self.fused_experts:
+            y = self._per_expert(x, ids, received)
+        else:
+            y = tk.moe_experts(x, ids, self.gate_up_proj, self.down_proj,
+                               first_expert=self.first_expert, chunks=self.chunks)
+            if wants_detail():
+                self._per_expert(x, ids, received)  # observed only: the same bits as y
+        if probing():
+            R, J = ids.shape
+            probe("experts", y.reshape(R * J, x.shape[1]),
+                  rows=torch.arange(R).repeat_interleave(J), experts=ids.reshape(-1),
+                  received=received)
+        return y
 
     def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                     ) -> torch.Tensor:
@@ -119,25 +139,33 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)     # by expert id, hence by owner rank
         expert_sorted = flat.index_select(0, order)
         token = order // K                                                         # (n*K,)
-        # For inspection tools (a no-op otherwise): each sent row's forward row and expert.
-        probe("dispatch", expert_sorted, kind="dispatch", rows=token + start)
+        if probing():  # each sent row's forward row and expert
+            probe("dispatch", expert_sorted, kind="dispatch", rows=token + start,
+                  experts=expert_sorted)
         send = torch.bincount(expert_sorted // self.local_experts, minlength=W)     # (W,)
         recv = all_to_all_rows(send, None, None, self.ep_group)                    # (W,)
         send, recv = send.tolist(), recv.tolist()
         rows = x.index_select(0, token)                                            # (n*K, H)
         got = all_to_all(rows, recv, send, self.ep_group)                          # (R, H)
         got_expert = all_to_all_rows(expert_sorted, recv, send, self.ep_group)     # (R,)
-        y_got = self._experts(got, got_expert.unsqueeze(1)).squeeze(1)             # (R, H)
+        y_got = self._experts(got, got_expert.unsqueeze(1), True).squeeze(1)       # (R, H)
         y_rows = all_to_all(y_got, send, recv, self.ep_group)                      # (n*K, H)
         y = y_rows.index_select(0, _inverse(order)).view(n, K, x.shape[1])         # (n, K, H)
         out = tk.moe_combine(weights, y)                                           # (n, H)
+        if probing():  # this rank's share of the tokens (rows split over TP ranks when P > 1)
+            probe("combine", out, rows=torch.arange(start, start + n),
+                  shard_dim=0 if P > 1 else None)
         return gather_rows_from_region(out, tp, M, P)                              # (M, H)
 
-    def _run_local_experts(self, x: torch.Tensor, token_of_row: torch.Tensor,
-                           counts: list) -> torch.Tensor:
-        """Rows sorted by expert: row r is token token_of_row[r] sent to the r-th expert in
-        counts order. Runs this rank's experts in ascending id -> [rows, H] in x.dtype."""
+    def _per_expert(self, x: torch.Tensor, ids: torch.Tensor, received: bool = False
+                    ) -> torch.Tensor:
+        """The reference path of `_experts`: this rank's experts in ascending id, one
+        linear / silu_mul / linear call each on the rows it got; probes every step."""
         I, outs, start = self.intermediate, [], 0
+        flat = ids.reshape(-1)                                                     # (R*J,)
+        order = torch.argsort(flat, stable=True)            # rows grouped by expert, row order
+        row_of = order // ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         # One unbind, not an index per expert: each index's backward would build a zero gradient
         # the size of the whole [E, 2I, H] tensor (30x slower training at 128 experts).
         gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
@@ -145,15 +173,21 @@ class SparseMoeBlock(nn.Module):
             n = counts[self.first_expert + e]
             if n == 0:
                 continue
-            xe = x.index_select(0, token_of_row[start:start + n])                  # (n, H)
+            rows = row_of[start:start + n]
+            xe = x.index_select(0, rows)                                           # (n, H)
             gu = tk.linear(xe, gate_up[e], chunks=self.chunks)                     # (n, 2I)
             h = tk.silu_mul(gu[:, :I].contiguous(), gu[:, I:].contiguous())        # (n, I)
             outs.append(tk.linear(h, down[e], chunks=self.chunks))                # (n, H)
+            if probing():
+                meta = dict(rows=rows, experts=torch.full_like(rows, self.first_expert + e),
+                            received=received)
+                probe("expert.gate_up", gu, **meta)
+                probe("expert.act", h, **meta)
+                probe("expert.down", outs[-1], **meta)
             start += n
-        if not outs:
-            # x[:0] keeps the graph connected, so every EP rank runs the backward all_to_all.
-            return x[:0]
-        return torch.cat(outs, 0)
+        # x[:0] keeps the graph connected, so every EP rank runs the backward all_to_all.
+        y_sorted = torch.cat(outs, 0) if outs else x[:0]                          # (R*J, H)
+        return y_sorted.index_select(0, _inverse(order)).view(*ids.shape, x.shape[1])
 
     def extra_repr(self) -> str:
         return (f"ep={self.ep_size}, experts={self.num_experts} (local {self.first_expert}.."

@@ -4,19 +4,8 @@
     tc = transformer_config_from_qwen3(qwen3_cfg)    # a TransformerConfig for tonp's layers
     cfg = qwen3_config_from_transformer(tc, vocab_size=..., rope_theta=...)
 
-Mapping (TransformerConfig -> tonp layer argument):
-    hidden_size -> hidden_size              num_attention_heads -> num_heads
-    num_query_groups -> num_kv_heads        kv_channels -> head_dim
-    ffn_hidden_size -> intermediate_size    moe_ffn_hidden_size -> moe_intermediate_size
-    num_moe_experts -> num_experts          moe_router_topk -> top_k
-    layernorm_epsilon -> rms_norm_eps       params_dtype -> dtype
-    moe_router_pre_softmax False -> norm_topk_prob True (softmax over the top-k logits equals
-        the renormalised top-k of the full softmax); True -> norm_topk_prob False
-    moe_layer_freq -> which layers are sparse (megatron's pattern: layer i is MoE if
-        i % freq == 0, or the 0/1 list) -> Qwen3's mlp_only_layers
-Required: normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True with
-activation_func=F.silu (SwiGLU, gate rows first), no linear biases. Everything that changes the
-math in a way tonp's kernels do not implement is refused (see `_problems`).
+The field mapping (and why moe_router_pre_softmax False is norm_topk_prob True) and the list
+of refused settings are in docs/megatron.md; `_problems` is the code of that list.
 """
 from __future__ import annotations
 
@@ -94,10 +83,13 @@ def _problems(c) -> List[str]:
     need(not c.fp8 and not getattr(c, "fp4", None), "fp8/fp4 (tonp computes in fp32/bf16)")
     need(c.params_dtype in (torch.float32, torch.bfloat16),
          f"params_dtype={c.params_dtype} (float32 or bfloat16)")
-    need(not c.sequence_parallel, "sequence_parallel=True (activations stay whole per TP rank)")
-    need(c.context_parallel_size == 1, f"context_parallel_size={c.context_parallel_size}")
-    need(c.pipeline_model_parallel_size == 1,
-         f"pipeline_model_parallel_size={c.pipeline_model_parallel_size} (not tested with tonp)")
+    need(not c.sequence_parallel, "sequence_parallel=True (the megatron modules keep whole "
+         "activations per TP rank; tonp's own model has SP)")
+    need(c.context_parallel_size == 1, f"context_parallel_size={c.context_parallel_size} (the "
+         f"megatron modules attend over whole sequences; tonp's own model has CP)")
+    need(c.virtual_pipeline_model_parallel_size is None,
+         f"virtual_pipeline_model_parallel_size={c.virtual_pipeline_model_parallel_size} "
+         f"(get_tonp_block_spec slices one stage per rank)")
     need(c.mtp_num_layers is None, "mtp_num_layers (multi-token prediction)")
     need(not c.heterogeneous_block_specs, "heterogeneous_block_specs=True")
     if c.num_query_groups and c.num_attention_heads % c.num_query_groups:
@@ -155,7 +147,8 @@ def transformer_config_from_qwen3(cfg: Qwen3MoeConfig, dtype: Optional[torch.dty
         ffn_hidden_size=cfg.intermediate_size, layernorm_epsilon=cfg.rms_norm_eps,
         normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, bias_dropout_fusion=False,
         init_method_std=cfg.initializer_range)
     if any(sparse):

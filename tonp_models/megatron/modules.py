@@ -1,9 +1,8 @@
 """tonp's layers with megatron-core's construction and forward conventions.
 
-Each class IS the tonp layer (a subclass: same parameters, same kernels, same bits) with a
-constructor that takes megatron's arguments (`config: TransformerConfig`, `layer_number`,
-`pg_collection`, ...) and a forward that takes megatron's `[s, b, h]` hidden states and
-keywords and returns what `TransformerLayer` expects (`(output, bias)` for attention and MLP).
+Each class IS the tonp layer (a subclass: same parameters, kernels and bits) built from
+megatron's arguments (`config: TransformerConfig`, `layer_number`, `pg_collection`, ...), with a
+forward over megatron's `[s, b, h]` hidden states that returns what `TransformerLayer` expects:
 
     TonpRMSNorm          RMSNorm(config, hidden_size, eps)            [s, b, h] -> [s, b, h]
     TonpSelfAttention    Attention (q/k/v, QK-norm, RoPE, o_proj)     -> (out [s, b, h], None)
@@ -11,18 +10,8 @@ keywords and returns what `TransformerLayer` expects (`(output, bias)` for atten
     TonpDenseMLP         DenseMLP (SwiGLU)                             -> (out [s, b, h], None)
     tonp_bias_dropout_add  the residual add (megatron's unfused bias-dropout-add)
 
-Layouts the attention accepts (every token sees positions 0..t of its own sequence):
-* `[s, b, h]` without `packed_seq_params`: b causal sequences of s tokens (positions 0..s-1);
-  `attention_mask` must be None or megatron's causal mask (True above the diagonal).
-* `packed_seq_params` with qkv_format="thd": hidden `[T, 1, h]`, sequences cut by cu_seqlens_q
-  (== cu_seqlens_kv, no padded variants); positions restart at 0 in every sequence.
-* `inference_context` = megatron's `StaticInferenceContext`: hidden `[s, b, h]` extends batch
-  rows batch_size_offset..+b from position sequence_len_offset. The K/V live in a tonp
-  `PagedKVCache` kept on the context (`context.tonp_cache`), so a decode step gives the bits of
-  the full pass. Dynamic batching (`DynamicInferenceContext`) is refused (see docs/megatron.md).
-RoPE uses tonp's position-indexed fp32 tables with `rotary_base` from the spec; megatron's
-`rotary_pos_emb` tensor is only checked against that base, never applied (cos/sin computed per
-call are not batch-invariant).
+The accepted sequence layouts (causal [s, b, h], packed thd, StaticInferenceContext on a tonp
+PagedKVCache), RoPE and the parallel layouts are described in docs/megatron.md.
 """
 from __future__ import annotations
 
@@ -30,11 +19,14 @@ import functools
 from typing import Optional
 
 import torch
+from einops import rearrange
 
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
 
+from tonp_parallel.layout import validate_model_layout
+from tonp_parallel.sharding import parameter_shards
+
 from ..layers import Attention, DenseMLP, PagedKVCache, RMSNorm, RotaryEmbedding, SparseMoeBlock
-from ..layers.linear import shards_of
 from .config import check_transformer_config
 
 
@@ -79,46 +71,77 @@ def _init_weights(config, params, output_params=()) -> None:
             config.output_layer_init_method(p)
 
 
-def _mark_shards(module) -> None:
-    """Tag sharded weights as megatron's parallel layers do. TP shards get tensor_model_parallel
-    / partition_dim (megatron's grad-norm clipping counts an untagged parameter on TP rank 0
-    only, wrong for a shard) and go into the axis map of `sharded_state_dict`; EP shards get
-    allreduce=False (megatron's DDP then reduces them over the expert-data-parallel group)."""
+def _rank(pg_collection, name: str) -> int:
+    """This rank's index in the named group (0 when the group is absent or of size 1)."""
+    (g,) = _groups(pg_collection, name)
+    if g is None:
+        return 0
+    import torch.distributed as dist
+    return dist.get_rank(g)
+
+
+def _check_layout(reduction_chunks: int, tp=None, ep=None, expert_tp=None, **fields):
+    """The layer's sizes (`fields`, HF names) and its groups' degrees against tonp's one set of
+    layout rules (`tonp_parallel.validate_model_layout`)."""
+    import torch.distributed as dist
+
+    def size(g):
+        return 1 if g is None else dist.get_world_size(g)
+    validate_model_layout(dict(fields, reduction_chunks=reduction_chunks), tp=size(tp),
+                          ep=size(ep), expert_tp=size(expert_tp) if ep is not None else 1)
+
+
+def _mark_shards(module, pg_collection) -> None:
+    """Tag sharded weights as megatron's parallel layers do, from the layer's own Shards: TP
+    shards get tensor_model_parallel / partition_dim (megatron's grad-norm clipping counts an
+    untagged parameter on TP rank 0 only, wrong for a shard); EP shards get allreduce=False
+    (megatron's DDP then reduces them over the expert-data-parallel group). Also notes the
+    replica ranks `sharded_state_dict` needs."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-    axis = {}
-    for prefix, sub in module.named_modules():
-        for name, shard in shards_of(sub).items():
-            param = sub.get_parameter(name)
-            if shard.group == "tp":
-                set_tensor_model_parallel_attributes(param, True, shard.dim, 1)
-                axis[f"{prefix}.{name}" if prefix else name] = shard.dim
-            elif shard.group == "ep":
-                param.allreduce = False
-    module._tp_axis_map = axis
+    for name, shard in parameter_shards(module).items():
+        param = module.get_parameter(name)
+        if shard.group == "tp":
+            set_tensor_model_parallel_attributes(param, True, shard.dim, 1)
+        elif shard.group == "ep":
+            param.allreduce = False
+    module._replica_ranks = {k: _rank(pg_collection, k) for k in ("tp", "dp_cp", "expt_dp")}
 
 
 def load_global_state_dict(module, state_dict, strict: bool = True):
     """Load global (TP = EP = 1) tensors into `module` built on any TP/EP rank: each sharded
-    parameter takes its slice by the layer's own Shard metadata (TP heads, replicated KV heads,
-    EP expert ranges). Keys as in module.state_dict(); returns load_state_dict's result."""
-    local = {}
-    owners = {p: (sub, n) for _, sub in module.named_modules()
-              for n, p in sub.named_parameters(recurse=False)}
-    params = dict(module.named_parameters())
-    for k, v in state_dict.items():
-        if k in params:
-            sub, n = owners[params[k]]
-            shard = shards_of(sub).get(n)
-            v = shard.take(v) if shard is not None else v
-        local[k] = v
+    parameter takes its slice by the layer's own Shard (TP heads, replicated KV heads, EP
+    expert ranges). Keys as in module.state_dict(); returns load_state_dict's result."""
+    shards = parameter_shards(module)
+    local = {k: shards[k].take(v) if k in shards else v for k, v in state_dict.items()}
     return module.load_state_dict(local, strict=strict)
 
 
 def _sharded_state_dict(module, prefix="", sharded_offsets=(), metadata=None):
-    """megatron dist-checkpointing entries: TP shards along their axis, the rest replicated."""
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-    sd = module.state_dict(prefix="", keep_vars=True)
-    return make_sharded_tensors_for_checkpoint(sd, prefix, module._tp_axis_map, sharded_offsets)
+    """megatron dist-checkpointing entries from the layer's own Shards: a TP or EP shard is its
+    slice of the global tensor (KV-head copies included), the rest is replicated. Exactly one
+    rank holds replica id (0, 0, 0) of each slice: it writes it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+    shards, ranks = parameter_shards(module), module._replica_ranks
+    n, out = len(sharded_offsets), {}
+    for name, t in module.state_dict(prefix="", keep_vars=True).items():
+        key = f"{prefix}{name}"
+        if name.endswith("_extra_state"):
+            out[key] = make_sharded_object_for_checkpoint(
+                t, key, sharded_offsets, replica_id=(0, ranks["tp"], ranks["dp_cp"]))
+            continue
+        s = shards.get(name)
+        if s is None:        # replicated over TP and DP
+            offsets, replica = (), (0, ranks["tp"], ranks["dp_cp"])
+        else:                # copies: the ranks holding the same slice (KV heads at TP > heads)
+            copies = (ranks["tp"] % (getattr(module.get_submodule(name.rpartition(".")[0]),
+                                             "copies", 1))) if s.group == "tp" else 0
+            dp = ranks["dp_cp"] if s.group == "tp" else ranks["expt_dp"]
+            offsets = ((s.dim + n, s.start // s.length, s.full // s.length),)
+            replica = (0, copies, dp)
+        out[key] = ShardedTensor.from_rank_offsets(key, t, *sharded_offsets, *offsets,
+                                                   replica_id=replica, prepend_axis_num=n)
+    return out
 
 
 def tonp_bias_dropout_add(training: bool, fused: bool):
@@ -142,7 +165,17 @@ class TonpRMSNorm(RMSNorm):
         self.config = config
 
 
-class TonpSparseMoE(SparseMoeBlock):
+class _PerToken:
+    """forward([s, b, h], padding_mask=None) -> ([s, b, h], None) over tonp's (tokens, h) rows.
+    Tokens are independent (CONTRACT.md: a row never depends on its batch), so the (s b) order
+    needs no transpose; padding_mask only weights megatron's auxiliary losses (tonp has none)."""
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
+        y = super().forward(rearrange(hidden_states, "s b h -> (s b) h"))
+        return rearrange(y, "(s b) h -> s b h", b=hidden_states.shape[1]), None
+
+
+class TonpSparseMoE(_PerToken, SparseMoeBlock):
     """tonp's SparseMoeBlock as megatron's `mlp` of an MoE layer.
 
     Args: config (num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_router_pre_softmax),
@@ -154,25 +187,23 @@ class TonpSparseMoE(SparseMoeBlock):
     def __init__(self, config, submodules=None, pg_collection=None, *, reduction_chunks: int = 8,
                  **_unused):
         check_transformer_config(config)
-        ep, tp = _groups(pg_collection, "ep", "tp")
+        ep, tp, etp = _groups(pg_collection, "ep", "tp", "expt_tp")
+        _check_layout(reduction_chunks, tp=tp, ep=ep, expert_tp=etp,
+                      hidden_size=config.hidden_size,
+                      moe_intermediate_size=config.moe_ffn_hidden_size,
+                      num_experts=config.num_moe_experts)
         super().__init__(config.hidden_size, config.moe_ffn_hidden_size, config.num_moe_experts,
                          config.moe_router_topk, not config.moe_router_pre_softmax,
                          chunks=reduction_chunks, ep_group=ep, tp_group=tp,
                          dtype=config.params_dtype)
         self.config = config
         _init_weights(config, [self.gate, self.gate_up_proj], [self.down_proj])
-        _mark_shards(self)
+        _mark_shards(self, pg_collection)
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        # padding_mask only weights megatron's auxiliary losses; tonp computes none.
-        s, b, h = hidden_states.shape
-        # Tokens are independent here (CONTRACT.md: a row never depends on its batch), so the
-        # [s*b, h] order needs no transpose.
-        y = super().forward(hidden_states.reshape(s * b, h))
-        return y.view(s, b, h), None
+    sharded_state_dict = _sharded_state_dict
 
 
-class TonpDenseMLP(DenseMLP):
+class TonpDenseMLP(_PerToken, DenseMLP):
     """tonp's DenseMLP (SwiGLU, gate/up column-parallel, down row-parallel over `pg_collection.tp`)
     as megatron's `mlp` of a dense layer. forward([s, b, h]) -> (out [s, b, h], None)."""
 
@@ -181,18 +212,16 @@ class TonpDenseMLP(DenseMLP):
         check_transformer_config(config)
         if tp_group is None:
             (tp_group,) = _groups(pg_collection, "tp")
+        _check_layout(reduction_chunks, tp=tp_group, hidden_size=config.hidden_size,
+                      intermediate_size=config.ffn_hidden_size)
         super().__init__(config.hidden_size, config.ffn_hidden_size, chunks=reduction_chunks,
                          tp_group=tp_group, dtype=config.params_dtype)
         self.config = config
         _init_weights(config, [self.gate_proj.weight, self.up_proj.weight],
                       [self.down_proj.weight])
-        _mark_shards(self)
+        _mark_shards(self, pg_collection)
 
     sharded_state_dict = _sharded_state_dict
-
-    def forward(self, hidden_states: torch.Tensor, padding_mask=None):
-        s, b, h = hidden_states.shape
-        return super().forward(hidden_states.reshape(s * b, h)).view(s, b, h), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +258,9 @@ class TonpSelfAttention(Attention):
         (tp,) = _groups(pg_collection, "tp")
         heads, groups = config.num_attention_heads, config.num_query_groups or \
             config.num_attention_heads
+        _check_layout(reduction_chunks, tp=tp, hidden_size=config.hidden_size,
+                      num_attention_heads=heads, num_key_value_heads=groups,
+                      head_dim=config.kv_channels)
         super().__init__(layer_number - 1, config.hidden_size, heads, groups, config.kv_channels,
                          rms_norm_eps=config.layernorm_epsilon, chunks=reduction_chunks,
                          block=attention_block, tp_group=tp, dtype=config.params_dtype)
@@ -239,7 +271,7 @@ class TonpSelfAttention(Attention):
         self._rope_checked = False
         _init_weights(config, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                       [self.o_proj.weight])
-        _mark_shards(self)
+        _mark_shards(self, pg_collection)
 
     sharded_state_dict = _sharded_state_dict
 
@@ -257,25 +289,25 @@ class TonpSelfAttention(Attention):
             raise ValueError(f"TonpSelfAttention: {unsupported} are not supported (causal self-"
                              f"attention with tonp's own RoPE tables)")
         self._check_rope(rotary_pos_emb)
-        s, b, h = hidden_states.shape
+        s, b, _ = hidden_states.shape
         rotary = self._rotary[0]
         if inference_context is not None:
             if packed_seq_params is not None:
                 raise ValueError("TonpSelfAttention: packed_seq_params with an inference_context "
                                  "is not supported")
-            x = hidden_states.transpose(0, 1).reshape(b * s, h)                    # (b*s, h)
+            x = rearrange(hidden_states, "s b h -> (b s) h")      # b sequences, packed
             cache, step = _static_cache_step(inference_context, self, b, s, x.dtype, x.device)
             y = super().forward(x, step.positions, rotary, cache=cache, step=step)
-            return y.view(b, s, h).transpose(0, 1).contiguous(), None
+            return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
         if packed_seq_params is not None:
             x, cu = _thd(hidden_states, packed_seq_params)                         # (T, h)
             y = super().forward(x, _positions(cu), rotary, cu_seqlens=cu)
             return y.unsqueeze(1), None
         _check_causal_mask(attention_mask, s)
-        x = hidden_states.transpose(0, 1).reshape(b * s, h)      # b sequences, packed (b*s, h)
+        x = rearrange(hidden_states, "s b h -> (b s) h")          # b sequences, packed
         cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
         y = super().forward(x, torch.arange(s).repeat(b), rotary, cu_seqlens=cu)
-        return y.view(b, s, h).transpose(0, 1).contiguous(), None
+        return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
 
     def _check_rope(self, emb) -> None:
         """Catch a GPTModel whose rotary_base / rotary_percent differ from the spec's (once)."""

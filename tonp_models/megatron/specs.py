@@ -1,19 +1,15 @@
 """ModuleSpecs that make a megatron-core TransformerLayer / TransformerBlock run tonp's layers.
 
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from tonp_models.megatron import get_tonp_block_spec
     block = TransformerBlock(config, get_tonp_block_spec(config, rotary_base=1e6))
-    out = block(hidden_states_sbh, attention_mask=None)                     # [s, b, h]
+    layer_spec = get_tonp_layer_spec(moe=True, rotary_base=1e6)   # for your own block spec
+    stage = TransformerBlock(config, get_tonp_block_spec(config, pp_rank=r), pre_process=r == 0,
+                             post_process=r == pp - 1)            # pipeline stage r
 
-    # or per layer, e.g. inside your own block spec / GPTModel:
-    layer_spec = get_tonp_layer_spec(moe=True, rotary_base=1e6)
-
-The layer itself stays megatron's `TransformerLayer` (residuals, recompute, offloading, hooks);
-only its norms, attention, MLP and residual add are tonp's. Options that are not in
-TransformerConfig travel in the spec: rotary_base and max_position_embeddings (GPTModel
-arguments), attention_block (B) and reduction_chunks (C) (tonp's own), and optionally a
-pg_collection for the MLP (megatron's TransformerLayer passes its process groups to attention
-but not to an MLP class it does not know; without one the MLP takes parallel_state's groups).
+The layer stays megatron's `TransformerLayer` (residuals, recompute, hooks); its norms,
+attention, MLP and residual add are tonp's. Options TransformerConfig lacks travel in the spec:
+rotary_base, max_position_embeddings, attention_block (B), reduction_chunks (C), and a
+pg_collection for the MLP (TransformerLayer does not pass its groups to an MLP class it does
+not know; without one the MLP takes parallel_state's groups).
 """
 from __future__ import annotations
 
@@ -50,13 +46,23 @@ def get_tonp_layer_spec(moe: bool = True, *, rotary_base: float = 10000.0,
     )
 
 
-def get_tonp_block_spec(config, **options) -> TransformerBlockSubmodules:
+def get_tonp_block_spec(config, *, pp_rank=None, **options) -> TransformerBlockSubmodules:
     """A TransformerBlock spec for `config`: layer i is MoE where megatron's moe_layer_freq says
     so (dense layers use ffn_hidden_size), and the final norm is TonpRMSNorm. `options` are
-    get_tonp_layer_spec's keywords. Refused TransformerConfig settings raise here."""
+    get_tonp_layer_spec's keywords. Refused TransformerConfig settings raise here.
+    Under pipeline parallelism (config.pipeline_model_parallel_size > 1) the spec holds the
+    layers of stage `pp_rank` (None: parallel_state's), split as megatron splits them
+    (get_transformer_layer_offset / get_num_layers_to_build: even, or the first / last stage
+    counts of the config); TransformerLayer gives each its global layer number."""
     check_transformer_config(config)
     specs = {m: get_tonp_layer_spec(moe=bool(m), **options) for m in (0, 1)}
-    return TransformerBlockSubmodules(layer_specs=[specs[m] for m in moe_layer_pattern(config)],
+    pattern = moe_layer_pattern(config)
+    if config.pipeline_model_parallel_size > 1:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+        pattern = pattern[offset:offset + get_num_layers_to_build(config, pp_rank=pp_rank)]
+    return TransformerBlockSubmodules(layer_specs=[specs[m] for m in pattern],
                                       layer_norm=TonpRMSNorm)
 
 

@@ -1,19 +1,14 @@
-"""HF checkpoints: ONE table from every HF weight name to a tonp parameter, used by the loader,
-the saver and the tests.
+"""HF checkpoints through ONE table from every HF weight name to a region of a tonp parameter,
+used by the loader, the saver, the megatron converters and the tests.
 
-Each row of `TABLE` says: HF name template, tonp parameter template, which part of the tonp
-parameter it fills, the dim a tensor-parallel rank shards (of the HF tensor), and whether the
-parameter's dim 0 is the expert dim (sharded by expert parallelism: a rank holds a contiguous
-range of expert ids). `{L}` is a layer index, `{E}` an expert id. Which slice a rank holds is
-its module's `Shard` (tonp_models.layers.linear; e.g. replicated KV heads at TP > KV heads):
-the loader reads exactly that slice of each HF tensor (`safe_open(...).get_slice`, memory-
-mapped), so a rank never reads other ranks' weights; the saver gathers the shards over the TP
-and EP groups and global rank 0 alone writes the hub layout.
+    load_checkpoint(model, path)     # this rank's shards, read slice by slice (memory-mapped)
+    save_checkpoint(model, path)     # gathered over TP / EP / PP; global rank 0 writes, atomically
+    slots = hub_slots(model)         # every HF tensor <-> (parameter, region) of this rank
+    copy_parameters(src, dst)        # the same weights into a model of another layout
 
-Two layouts load: the hub layout (per-expert `mlp.experts.{E}.{gate,up,down}_proj.weight`, what
-transformers saves and the Qwen hub ships) and transformers' fused in-memory layout
-(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); saving writes the
-hub layout. Tensors are read with `safetensors.safe_open` (memory-mapped), slice by slice.
+Which parameter is sharded, and which slice a rank holds, comes only from
+`model.parameter_shards()`; the table says only how HF names map to tonp parameters. Layouts,
+the refusals and the atomic save are explained in docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -24,45 +19,46 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..layers.linear import Shard
+from .checkpoint_files import (INDEX, TensorReader, nonfinite_problem, split_shards,
+                               weight_files, write_directory)
 
-# part: None = the whole parameter; "expert" = param[E]; "gate"/"up" = the first/second half
-#       of the rows of param[E] (gate_up_proj [E, 2I, H], gate rows first, as transformers fuses).
-# layers: "all" | "sparse" | "dense" | "untied" (lm_head only without tied embeddings).
-# (hf name, tonp parameter, part, tp shard dim of the HF tensor, ep (param dim 0 = experts), layers)
-TABLE: List[Tuple[str, str, Optional[str], Optional[int], bool, str]] = [
-    ("model.embed_tokens.weight", "embed_tokens.weight", None, 0, False, "all"),
-    ("model.layers.{L}.input_layernorm.weight", "layers.{L}.input_layernorm.weight",
-     None, None, False, "all"),
-    ("model.layers.{L}.self_attn.q_proj.weight", "layers.{L}.self_attn.q_proj.weight",
-     None, 0, False, "all"),
-    ("model.layers.{L}.self_attn.k_proj.weight", "layers.{L}.self_attn.k_proj.weight",
-     None, 0, False, "all"),
-    ("model.layers.{L}.self_attn.v_proj.weight", "layers.{L}.self_attn.v_proj.weight",
-     None, 0, False, "all"),
-    ("model.layers.{L}.self_attn.o_proj.weight", "layers.{L}.self_attn.o_proj.weight",
-     None, 1, False, "all"),
-    ("model.layers.{L}.self_attn.q_norm.weight", "layers.{L}.self_attn.q_norm.weight",
-     None, None, False, "all"),
-    ("model.layers.{L}.self_attn.k_norm.weight", "layers.{L}.self_attn.k_norm.weight",
-     None, None, False, "all"),
+# (HF name template, tonp parameter template, part, layers). {L}: layer, {E}: expert id.
+# part: None = the whole parameter; "expert" = param[E]; "gate" / "up" = the first / second
+#       half of the rows of param[E] (gate_up_proj [E, 2I, H], gate rows first).
+# layers: "all" | "sparse" | "dense" | "untied" (no tied embeddings) | "bias" (attention_bias).
+TABLE: List[Tuple[str, str, Optional[str], str]] = [
+    ("model.embed_tokens.weight", "embed_tokens.weight", None, "all"),
+    ("model.layers.{L}.input_layernorm.weight", "layers.{L}.input_layernorm.weight", None, "all"),
+    ("model.layers.{L}.self_attn.q_proj.weight", "layers.{L}.self_attn.q_proj.weight", None,
+     "all"),
+    ("model.layers.{L}.self_attn.k_proj.weight", "layers.{L}.self_attn.k_proj.weight", None,
+     "all"),
+    ("model.layers.{L}.self_attn.v_proj.weight", "layers.{L}.self_attn.v_proj.weight", None,
+     "all"),
+    ("model.layers.{L}.self_attn.o_proj.weight", "layers.{L}.self_attn.o_proj.weight", None,
+     "all"),
+    ("model.layers.{L}.self_attn.q_proj.bias", "layers.{L}.self_attn.q_proj.bias", None, "bias"),
+    ("model.layers.{L}.self_attn.k_proj.bias", "layers.{L}.self_attn.k_proj.bias", None, "bias"),
+    ("model.layers.{L}.self_attn.v_proj.bias", "layers.{L}.self_attn.v_proj.bias", None, "bias"),
+    ("model.layers.{L}.self_attn.o_proj.bias", "layers.{L}.self_attn.o_proj.bias", None, "bias"),
+    ("model.layers.{L}.self_attn.q_norm.weight", "layers.{L}.self_attn.q_norm.weight", None,
+     "all"),
+    ("model.layers.{L}.self_attn.k_norm.weight", "layers.{L}.self_attn.k_norm.weight", None,
+     "all"),
     ("model.layers.{L}.post_attention_layernorm.weight",
-     "layers.{L}.post_attention_layernorm.weight", None, None, False, "all"),
-    ("model.layers.{L}.mlp.gate.weight", "layers.{L}.mlp.gate", None, None, False, "sparse"),
-    ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "layers.{L}.mlp.gate_up_proj",
-     "gate", None, True, "sparse"),
-    ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", "layers.{L}.mlp.gate_up_proj",
-     "up", None, True, "sparse"),
-    ("model.layers.{L}.mlp.experts.{E}.down_proj.weight", "layers.{L}.mlp.down_proj",
-     "expert", None, True, "sparse"),
-    ("model.layers.{L}.mlp.gate_proj.weight", "layers.{L}.mlp.gate_proj.weight",
-     None, 0, False, "dense"),
-    ("model.layers.{L}.mlp.up_proj.weight", "layers.{L}.mlp.up_proj.weight",
-     None, 0, False, "dense"),
-    ("model.layers.{L}.mlp.down_proj.weight", "layers.{L}.mlp.down_proj.weight",
-     None, 1, False, "dense"),
-    ("model.norm.weight", "norm.weight", None, None, False, "all"),
-    ("lm_head.weight", "lm_head.weight", None, 0, False, "untied"),
+     "layers.{L}.post_attention_layernorm.weight", None, "all"),
+    ("model.layers.{L}.mlp.gate.weight", "layers.{L}.mlp.gate", None, "sparse"),
+    ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "layers.{L}.mlp.gate_up_proj", "gate",
+     "sparse"),
+    ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", "layers.{L}.mlp.gate_up_proj", "up",
+     "sparse"),
+    ("model.layers.{L}.mlp.experts.{E}.down_proj.weight", "layers.{L}.mlp.down_proj", "expert",
+     "sparse"),
+    ("model.layers.{L}.mlp.gate_proj.weight", "layers.{L}.mlp.gate_proj.weight", None, "dense"),
+    ("model.layers.{L}.mlp.up_proj.weight", "layers.{L}.mlp.up_proj.weight", None, "dense"),
+    ("model.layers.{L}.mlp.down_proj.weight", "layers.{L}.mlp.down_proj.weight", None, "dense"),
+    ("model.norm.weight", "norm.weight", None, "all"),
+    ("lm_head.weight", "lm_head.weight", None, "untied"),
 ]
 # transformers' fused expert tensors: the whole 3-D parameter under one name.
 FUSED = {"model.layers.{L}.mlp.experts.gate_up_proj": "layers.{L}.mlp.gate_up_proj",
@@ -73,140 +69,152 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class Slot:
-    """One HF tensor <-> a region of one tonp parameter (this rank's share).
+    """One HF tensor <-> a region of one tonp parameter.
 
-    hf: HF name; param: tonp parameter name; index: the region of the local parameter
-    (a tuple for `param[index]`); tp_dim: the dim of the HF tensor a TP rank narrows (None =
-    replicated); shape: the full HF tensor's shape; shard: the slice of the HF tensor this
-    rank holds (None = all of it)."""
+    hf: HF name; param: tonp parameter name; index: the region of the parameter it fills
+    (`param[index]`, () = all of it); shape: the whole HF tensor's shape; read: the region of
+    the HF tensor this rank reads (() = all of it: a TP slice or a fused tensor's expert range
+    otherwise)."""
     hf: str
     param: str
     index: tuple
-    tp_dim: Optional[int]
     shape: Tuple[int, ...]
-    shard: Optional[Shard] = None
+    read: tuple = ()
 
 
-def hub_slots(model, fused_layers=()) -> List[Slot]:
+def _applies(config, where: str, layer: Optional[int]) -> bool:
+    if where == "sparse":
+        return config.is_sparse_layer(layer)
+    if where == "dense":
+        return not config.is_sparse_layer(layer)
+    return {"all": True, "untied": not config.tie_word_embeddings,
+            "bias": config.attention_bias}[where]
+
+
+def hub_slots(model, fused_layers=(), full: bool = False) -> List[Slot]:
     """Every HF tensor of `model`'s config in the hub layout (layers in `fused_layers` in the
-    fused-expert layout), restricted to the experts this rank owns."""
+    fused-expert layout). full=False: this rank's share (its pipeline stage's tensors, its TP
+    slices, the experts it holds, regions of its local parameters); full=True: the unsharded,
+    unpipelined model's (regions of the full parameters, e.g. after `gather_full_parameters`)."""
+    if full and getattr(model, "pipelined", False):
+        model = _whole(model)
     c, params = model.config, dict(model.named_parameters())
     shards = model.parameter_shards()
+    layers = range(c.num_hidden_layers)
     slots = []
-    for hf, ours, part, tp_dim, ep, where in TABLE:
-        if where == "untied" and c.tie_word_embeddings:
-            continue
-        layers = range(c.num_hidden_layers) if "{L}" in hf else [None]
-        for L in layers:
-            if L is not None and (where == "sparse") != c.is_sparse_layer(L) and where != "all":
+    for hf, ours, part, where in TABLE:
+        for L in (layers if "{L}" in hf else [None]):
+            if not _applies(c, where, L) or (part is not None and L in fused_layers):
                 continue
             name = ours.format(L=L)
-            p = params[name]
-            if ep and L in fused_layers:
+            if name not in params:  # another pipeline stage's
                 continue
-            if not ep:
-                shard = shards.get(name)
-                shape = shard.full_shape(p.shape) if shard else tuple(p.shape)
-                slots.append(Slot(hf.format(L=L), name, (), tp_dim, tuple(shape), shard))
+            shard = shards.get(name)
+            shape = shard.full_shape(params[name].shape) if shard else tuple(params[name].shape)
+            mine = None if full else shard
+            if part is not None:
+                slots += _expert_slots(hf, L, name, part, shape, mine)
                 continue
-            moe = _module(model, name)
-            I = moe.intermediate
-            rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "expert": slice(None)}[part]
-            for e in range(moe.local_experts):
-                index = (e, rows)
-                slots.append(Slot(hf.format(L=L, E=moe.first_expert + e), name, index, None,
-                                  tuple(p[index].shape)))
+            read = ()
+            if mine is not None:
+                read = tuple(slice(mine.start, mine.start + mine.length) if d == mine.dim
+                             else slice(None) for d in range(len(shape)))
+            slots.append(Slot(hf.format(L=L), name, (), shape, read))
     for L in fused_layers:
         for hf, ours in FUSED.items():
             name = ours.format(L=L)
-            moe, p = _module(model, name), params[name]
-            shape = (moe.num_experts, *p.shape[1:])
-            index = (slice(moe.first_expert, moe.first_expert + moe.local_experts),)
-            # For fused tensors `index` selects from the HF tensor (the rank's expert range).
-            slots.append(Slot(hf.format(L=L), name, index, None, shape))
+            if name not in params:
+                continue
+            shard = None if full else shards.get(name)
+            shape = (c.num_experts, *params[name].shape[1:])
+            first, n = (shard.start, shard.length) if shard else (0, c.num_experts)
+            slots.append(Slot(hf.format(L=L), name, (), shape, (slice(first, first + n),)))
     return slots
 
 
-def _module(model, param_name):
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
+def _whole(model):
+    """The one-process model of `model`'s config and dtype, on the meta device (names and
+    full shapes of every stage's parameters)."""
+    with torch.device("meta"):
+        return type(model)(model.config, dtype=model.dtype)
+
+
+def _expert_slots(hf, L, name, part, shape, shard) -> List[Slot]:
+    """One slot per expert held: dim 0 of an expert parameter is the expert id."""
+    if shard is not None and shard.dim != 0:
+        raise ValueError(f"hub_slots: {name} is split on dim {shard.dim}; experts are split by "
+                         f"expert id only (dim 0)")
+    first, n = (shard.start, shard.length) if shard else (0, shape[0])
+    half = shape[1] // 2
+    rows = {"gate": slice(0, half), "up": slice(half, 2 * half), "expert": slice(None)}[part]
+    per_expert = (half, shape[2]) if part != "expert" else tuple(shape[1:])
+    return [Slot(hf.format(L=L, E=first + e), name, (e, rows), per_expert) for e in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
 # Load
 # ---------------------------------------------------------------------------------------------
-def _weight_files(path: str) -> Dict[str, str]:
-    """HF name -> safetensors file, from model.safetensors.index.json or the .safetensors files."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"load_checkpoint: no *.safetensors (nor an index) in {path}")
-    from safetensors import safe_open
-    names = {}
-    for fn in files:
-        with safe_open(os.path.join(path, fn), framework="pt") as f:
-            names.update({k: os.path.join(path, fn) for k in f.keys()})
-    return names
+def _fused_layers(config, files: Dict[str, str]) -> List[int]:
+    """Sparse layers stored in the fused layout; a layer with both layouts is refused."""
+    fused = []
+    for L in range(config.num_hidden_layers):
+        if not config.is_sparse_layer(L):
+            continue
+        mine = [hf.format(L=L) for hf in FUSED if hf.format(L=L) in files]
+        if not mine:
+            continue
+        prefix = f"model.layers.{L}.mlp.experts."
+        split = sorted(k for k in files if k.startswith(prefix) and k not in mine)
+        if split:
+            raise ValueError(f"load_checkpoint: layer {L} has both fused ({mine[0]} in "
+                             f"{files[mine[0]]}) and per-expert expert tensors ({split[0]} in "
+                             f"{files[split[0]]}, {len(split)} in all); which is meant is "
+                             f"ambiguous")
+        fused.append(L)
+    return fused
 
 
 @torch.no_grad()
 def load_checkpoint(model, path) -> None:
     """Fill `model`'s parameters (this rank's shards) from an HF safetensors checkpoint dir.
 
-    Raises one ValueError listing every missing, unexpected and mis-shaped tensor."""
-    from safetensors import safe_open
+    Raises one ValueError listing every missing, unexpected, mis-shaped, wrongly typed and
+    non-finite tensor (with its file); ambiguous directories are refused first."""
     path = os.fspath(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     c = model.config
-    gate_up = next(iter(FUSED))
-    fused = [L for L in range(c.num_hidden_layers)
-             if c.is_sparse_layer(L) and gate_up.format(L=L) in files]
-    fused_names = {hf.format(L=L) for L in fused for hf in FUSED}
+    fused = _fused_layers(c, files)
     slots = hub_slots(model, fused_layers=fused)
-    params = dict(model.named_parameters())
     expected = {s.hf for s in slots}
-    ignored = {k for k in files if k.endswith(_IGNORED_SUFFIXES)
-               or (c.tie_word_embeddings and k == "lm_head.weight")}
     # Under expert parallelism the other ranks' experts are in the files too: skip, not error.
-    ignored |= {hf.format(L=L, E=e) for hf, _, _, _, ep, _ in TABLE if ep
-                for L in range(c.num_hidden_layers) if c.is_sparse_layer(L)
-                for e in range(c.num_experts)}
-    missing = sorted(expected - set(files))
-    unexpected = sorted(set(files) - expected - ignored)
-    misshaped, handles = [], {}
-    try:
+    everyone = {s.hf for s in hub_slots(model, fused_layers=fused, full=True)}
+    ignored = {k for k in files if k.endswith(_IGNORED_SUFFIXES)
+               or (c.tie_word_embeddings and k == "lm_head.weight")} | everyone
+    problems = {"missing": sorted(expected - set(files)),
+                "unexpected": sorted(set(files) - expected - ignored),
+                "mis-shaped": [], "wrong dtype": [], "non-finite": []}
+    params = dict(model.named_parameters())
+    with TensorReader() as reader:
         for s in slots:
             if s.hf not in files:
                 continue
             fn = files[s.hf]
-            if fn not in handles:
-                handles[fn] = safe_open(fn, framework="pt")
-            sl = handles[fn].get_slice(s.hf)
+            sl, dtype = reader.slice(fn, s.hf)
             shape = tuple(sl.get_shape())
+            dst = params[s.param][s.index] if s.index else params[s.param]
             if shape != s.shape:
-                misshaped.append(f"{s.hf}: checkpoint {list(shape)}, model {list(s.shape)}")
-                continue
-            if s.hf in fused_names:
-                t, dst = sl[s.index], params[s.param]
+                problems["mis-shaped"].append(f"{s.hf}: checkpoint {list(shape)}, model "
+                                              f"{list(s.shape)}")
+            elif (why := reader.dtype_problem(fn, s.hf, dtype, dst.dtype)) is not None:
+                problems["wrong dtype"].append(why)
             else:
-                if s.shard is not None:  # read only this rank's slice from the file
-                    idx = [slice(None)] * len(shape)
-                    idx[s.shard.dim] = slice(s.shard.start, s.shard.start + s.shard.length)
-                    t = sl[tuple(idx)]
-                else:
-                    t = sl[:]
-                dst = params[s.param][s.index] if s.index else params[s.param]
-            dst.copy_(t.to(dst.dtype))
-    finally:
-        handles.clear()
-    if missing or unexpected or misshaped:
+                dst.copy_(sl[s.read] if s.read else sl[:])
+                if (why := nonfinite_problem(dst, s.hf, fn)) is not None:
+                    problems["non-finite"].append(why)
+    if any(problems.values()):
         lines = [f"checkpoint {path} does not match the model ({c.num_hidden_layers} layers, "
-                 f"{c.num_experts} experts):"]
-        for what, items in (("missing", missing), ("unexpected", unexpected),
-                             ("mis-shaped", misshaped)):
+                 f"{c.num_experts} experts, {model.dtype}):"]
+        for what, items in problems.items():
             if items:
                 lines.append(f"  {what} ({len(items)}): " + ", ".join(items[:20]) +
                              (" ..." if len(items) > 20 else ""))
@@ -220,16 +228,11 @@ def load_checkpoint(model, path) -> None:
 def state_dict_hub(model) -> Dict[str, torch.Tensor]:
     """The model's weights under HF hub names (contiguous CPU tensors in the model's dtype).
 
-    A sharded model gathers its shards first (collective over its TP and EP groups: every
-    rank must call it); the result is the whole model on every rank."""
-    if model.parameter_shards():
-        params = gather_full_parameters(model)
-        with torch.device("meta"):  # the unsharded layout: the hub slots of the full model
-            model = type(model)(model.config, dtype=model.dtype)
-    else:
-        params = dict(model.named_parameters())
+    A sharded or pipelined model gathers its shards and stages first (collective over its TP,
+    EP and PP groups: every rank must call it); the result is the whole model on every rank."""
+    params = gather_full_parameters(model)
     out = {}
-    for s in hub_slots(model):
+    for s in hub_slots(model, full=True):
         t = params[s.param][s.index] if s.index else params[s.param]
         out[s.hf] = t.detach().contiguous().clone()
     return out
@@ -237,8 +240,9 @@ def state_dict_hub(model) -> Dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def gather_full_parameters(model) -> Dict[str, torch.Tensor]:
-    """{name: the full (unsharded) parameter} from every rank's shard: an all_gather per sharded
-    parameter over its TP or EP group (bytes only: exact in every dtype). Collective."""
+    """{name: the full (unsharded) parameter} of every stage, from every rank's shard: an
+    all_gather per sharded parameter over its TP or EP group, then (under PP) every stage's
+    parameters over the PP group (bytes only: exact in every dtype). Collective."""
     from tonp_parallel import all_gather_stacked
     shards, out = model.parameter_shards(), {}
     for name, p in model.named_parameters():
@@ -255,49 +259,79 @@ def gather_full_parameters(model) -> Dict[str, torch.Tensor]:
         for start, part in zip(starts, parts):   # KV-head copies write the same slice twice
             full.narrow(s.dim, start, s.length).copy_(part)
         out[name] = full
+    if getattr(model, "pipelined", False):
+        import torch.distributed as dist
+        stages = [None] * model.groups.pp_size
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in out.items()},
+                               group=model.groups.pp_group)
+        out = {k: v for stage in stages for k, v in stage.items()}
     return out
 
 
+@torch.no_grad()
+def load_full_parameters(model, full: Dict[str, torch.Tensor]) -> None:
+    """Copy this rank's part (its stage, its shards) of the full parameters `full` (as
+    `gather_full_parameters` gives them, any layout's) into `model`. Exact: bytes only."""
+    shards = model.parameter_shards()
+    for name, p in model.named_parameters():
+        if name not in full:
+            raise ValueError(f"load_full_parameters: no full tensor for {name}")
+        src = shards[name].take(full[name]) if name in shards else full[name]
+        if src.shape != p.shape:
+            raise ValueError(f"load_full_parameters: {name} is {tuple(src.shape)} in the source, "
+                             f"{tuple(p.shape)} here")
+        p.copy_(src)
+
+
+def copy_parameters(src, dst) -> None:
+    """The weights of model `src` into model `dst` of the same config on the same ranks, in
+    any other TP / EP / PP / CP layout (e.g. a rollout model beside the trainer): every
+    parameter is gathered whole on every rank, then each rank keeps its part. Collective
+    over every rank of both layouts' groups; memory: the whole model once per rank."""
+    if src.config != dst.config:
+        raise ValueError("copy_parameters: the two models have different configs")
+    load_full_parameters(dst, gather_full_parameters(src))
+
+
 def save_checkpoint(model, path, max_shard_size: int = 5 * 2**30) -> None:
-    """Write config.json and the hub-layout safetensors (sharded + index above max_shard_size).
-    A sharded model: every rank calls it, the shards are gathered, global rank 0 writes."""
-    from safetensors.torch import save_file
+    """Make `path` hold exactly this model's config.json and hub-layout safetensors (sharded
+    with an index above max_shard_size bytes), replacing any earlier checkpoint there at once.
+    A sharded model: every rank calls it, the shards are gathered, global rank 0 writes, and
+    an error on rank 0 is raised on every rank."""
     path = os.fspath(path)
     tensors = state_dict_hub(model)
-    if model.parameter_shards():
-        import torch.distributed as dist
-        rank = dist.get_rank()
-        if rank == 0:
-            _write(model, path, tensors, max_shard_size, save_file)
-        dist.barrier()  # nobody reads the checkpoint before rank 0 has written it
+    if not model.parameter_shards() and not getattr(model, "pipelined", False):
+        write_directory(path, lambda tmp: _write(model, tmp, tensors, max_shard_size))
         return
-    _write(model, path, tensors, max_shard_size, save_file)
+    import torch.distributed as dist
+    error, raised = [None], None
+    if dist.get_rank() == 0:
+        try:
+            write_directory(path, lambda tmp: _write(model, tmp, tensors, max_shard_size))
+        except Exception as e:  # noqa: BLE001 -- reported to every rank below
+            error, raised = [f"{type(e).__name__}: {e}"], e
+    dist.broadcast_object_list(error, src=0)  # nobody reads the checkpoint before it is written
+    if raised is not None:
+        raise raised
+    if error[0] is not None:
+        raise RuntimeError(f"save_checkpoint: global rank 0 failed to write {path}: {error[0]}")
 
 
-def _write(model, path, tensors, max_shard_size, save_file) -> None:
-    os.makedirs(path, exist_ok=True)
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
+def _write(model, path: str, tensors, max_shard_size: int) -> None:
+    from safetensors.torch import save_file
     cfg = model.config.to_hf()
-    cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[model.dtype]
-    cfg["torch_dtype"] = cfg["dtype"]
+    cfg["dtype"] = cfg["torch_dtype"] = {torch.float32: "float32",
+                                         torch.bfloat16: "bfloat16"}[model.dtype]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    files, index = split_shards(tensors, max_shard_size)
+    for fn, shard in files.items():
         save_file(shard, os.path.join(path, fn), metadata={"format": "pt"})
-        weight_map.update({k: fn for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if index is not None:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+__all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "load_checkpoint", "state_dict_hub",
+           "gather_full_parameters", "load_full_parameters", "copy_parameters",
+           "save_checkpoint"]

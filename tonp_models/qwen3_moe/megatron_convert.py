@@ -6,22 +6,11 @@
     spec_sd = tonp_to_spec(tonp_sd)       # a megatron GPTModel built with get_tonp_block_spec
 (On a TP/EP rank, load global tensors with tonp_models.megatron.load_global_state_dict.)
 
-Every conversion is driven by the HF name/shard table of `checkpoint.py` (`TABLE`, expanded per
-layer and expert by `hub_slots` on a meta-device model): `MEGATRON` below gives, for each HF
-name template there, the megatron-core name and the region of the megatron tensor it fills. A
-TABLE row without a megatron entry fails at import, so the two tables cannot drift apart.
-Values are copied, never recomputed: every round trip is bitwise.
-
-Megatron layouts (global, i.e. TP = 1 / gathered, tensors):
-* linear_qkv.weight [(nq + 2 ng) d, h]: per query group g, its nq/ng query heads, then k_g, v_g.
-* linear_fc1.weight [2I, h]: gate rows then up rows (megatron's SwiGLU chunk order).
-* norms: the local spec's `input_layernorm.weight` / `pre_mlp_layernorm.weight`, or with
-  fused_norms=True transformer-engine's `self_attention.linear_qkv.layer_norm_weight` and, in
-  dense layers, `mlp.linear_fc1.layer_norm_weight` (MoE layers keep `pre_mlp_layernorm`).
-* experts: "sequential" `mlp.experts.local_experts.E.linear_fc{1,2}.weight`, "te_grouped"
-  `mlp.experts.linear_fc{1,2}.weight{E}`, "legacy_grouped" `mlp.experts.weight1` [h, E*2I]
-  (viewed [E, h, 2I]) and `mlp.experts.weight2` [E*I, h] (viewed [E, I, h]).
-`*._extra_state` entries are ignored on input and not produced (load with strict=False).
+Driven by `checkpoint.TABLE` (expanded by `hub_slots` on the config's unsharded model, built on
+the meta device) plus `MEGATRON`: one megatron name and region per TABLE row (a missing row
+fails at import). Values are copied, never recomputed: every round trip is bitwise. The
+megatron layouts (qkv per query group, fc1 = [gate; up], TE fused norms, the three expert
+layouts) are described in docs/megatron.md.
 """
 from __future__ import annotations
 
@@ -34,7 +23,7 @@ from .checkpoint import TABLE, hub_slots
 from .config import Qwen3MoeConfig
 
 # HF name template (TABLE's first column) -> (megatron-core template, region kind)
-MEGATRON: Dict[str, Tuple[str, Optional[str]]] = {
+MEGATRON: Dict[str, Optional[Tuple[str, Optional[str]]]] = {
     "model.embed_tokens.weight": ("embedding.word_embeddings.weight", None),
     "model.layers.{L}.input_layernorm.weight": ("decoder.layers.{L}.input_layernorm.weight", None),
     "model.layers.{L}.self_attn.q_proj.weight":
@@ -63,6 +52,8 @@ MEGATRON: Dict[str, Tuple[str, Optional[str]]] = {
     "model.layers.{L}.mlp.down_proj.weight": ("decoder.layers.{L}.mlp.linear_fc2.weight", None),
     "model.norm.weight": ("decoder.final_layernorm.weight", None),
     "lm_head.weight": ("output_layer.weight", None),
+    # tonp's megatron layers have no linear biases (add_qkv_bias / add_bias_linear are refused)
+    **{f"model.layers.{{L}}.self_attn.{p}_proj.bias": None for p in "qkvo"},
 }
 _missing = [row[0] for row in TABLE if row[0] not in MEGATRON]
 if _missing:  # pragma: no cover - a table edit must come with its megatron name
@@ -107,6 +98,9 @@ def _megatron_slots(config: Qwen3MoeConfig, fused_norms: bool, experts: str
     if experts not in EXPERT_LAYOUTS:
         raise ValueError(f"experts={experts!r} must be one of {EXPERT_LAYOUTS}")
     c = config
+    if c.attention_bias:
+        raise ValueError("megatron_convert: attention_bias=True has no megatron counterpart in "
+                         "tonp's layers (add_qkv_bias / add_bias_linear are refused)")
     d, H = c.head_dim, c.hidden_size
     ng, qpg = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
     E, I, Id = c.num_experts, c.moe_intermediate_size, c.intermediate_size

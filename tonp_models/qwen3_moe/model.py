@@ -4,19 +4,21 @@
     logits = model(ids_BL, attention_mask=mask_BL)         # padded batch      -> [B, L, V] fp32
     logits = model(ids, cu, cache=c, cache_slots=slots)    # extend cached sequences by new tokens
     lps = model.token_logprobs([seq0, seq1], temperature=1.0)
+    out = model.forward_backward(seqs, loss_fn, micro_batches=4)   # a training step's F + B
 
 Without a cache every sequence is whole (positions 0..n-1) and the forward is differentiable;
 with a cache, sequence i continues slot cache_slots[i] from cache.lengths[slot]. Nothing else
 differs: the same kernels see the same rows, so a token's logits are the same bits either way.
 
-Under tensor / expert parallelism (`groups`, a tonp_parallel.ParallelGroups) every layer holds
-its local shard (see tonp_models/layers) and every output is the same bits as the unsharded
-model's: `forward` returns the full fp32 logits on every rank (the vocab shards are gathered,
-which is exact; the generator only asks for the decode rows), while `token_logprobs` scores
-with the vocab-parallel LM head without gathering the vocabulary. Every rank of a TP/EP group
-must make the same calls (TP ranks with the same tokens; EP ranks any tokens).
-`torch.manual_seed(s)` before construction gives every rank the shards of the weights the
-unsharded model gets from the same seed.
+Parallel layouts (`groups`, a tonp_parallel.ParallelGroups) never change a bit:
+* TP / EP: each layer holds its shard (`parameter_shards()` says which); TP ranks make the same
+  calls with the same tokens, EP ranks the same calls with any tokens. `forward` gathers the
+  vocab shards (exact); `token_logprobs` scores without gathering them.
+* PP: this rank builds only its stage's layers (`self.stage`), the embedding on the first
+  stage, the final norm and LM head on the last (qwen3_moe/pipeline.py runs the stages).
+* CP: the training forward and scoring give each rank a zig-zag slice of every sequence
+  (decode runs every row on every CP rank). SP: activations split along tokens over TP in the
+  norm and residual regions. The ranks of one model replica (TP x CP x PP) make the same calls.
 """
 from __future__ import annotations
 
@@ -25,26 +27,34 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-import tonp_kernels as tk
+from tonp_parallel import group_size, validate_model_layout
+from tonp_parallel.context import ContextSplit, positions_of
+from tonp_parallel.layout import stage_layers
+from tonp_parallel.sequence import SequenceSplit
+from tonp_parallel.sharding import Shard, parameter_shards
 
 from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
                       RotaryEmbedding, SparseMoeBlock)
-from ..layers.linear import Shard, shards_of
 from .config import Qwen3MoeConfig
+from .inputs import bounds_of, int_tensor, mask_of, rows_of, slots_of
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H]."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H] (under
+    sequence parallelism this rank's [n, H] rows in and out)."""
 
-    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, dtype: torch.dtype, groups):
+    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, dtype: torch.dtype, groups,
+                 sequence_parallel: bool = False):
         super().__init__()
         c, tp, ep = config, _group(groups, "tp_group"), _group(groups, "ep_group")
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        # Under SP each TP rank normalises other rows: the norm weights' gradients are summed.
+        norm_group = tp if sequence_parallel else None
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, norm_group)
         self.self_attn = Attention(layer_idx, c.hidden_size, c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim, rms_norm_eps=c.rms_norm_eps,
                                    bias=c.attention_bias, chunks=c.reduction_chunks,
                                    block=c.attention_block, tp_group=tp, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, norm_group)
         if c.is_sparse_layer(layer_idx):
             self.mlp = SparseMoeBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts,
                                       c.num_experts_per_tok, c.norm_topk_prob,
@@ -54,29 +64,13 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, chunks=c.reduction_chunks,
                                 tp_group=tp, dtype=dtype)
 
-    def forward(self, x, positions, rotary, **attn_kw):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, **attn_kw)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, positions, rotary, sp=None, **attn_kw):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, sp=sp, **attn_kw)
+        return h + self.mlp(self.post_attention_layernorm(h), sp=sp)
 
 
 def _group(groups, name):
     return None if groups is None else getattr(groups, name, None)
-
-
-def _check_layout(config: Qwen3MoeConfig, groups) -> None:
-    """Clear errors for a layout the model cannot be split by (before any weight is built)."""
-    tp, ep = _group(groups, "tp_group"), _group(groups, "ep_group")
-    if tp is None and ep is None:
-        return
-    import tonp_parallel as tpar
-    if getattr(groups, "expert_tp_size", 1) != 1:
-        raise ValueError(f"Qwen3MoeForCausalLM: expert tensor parallelism (expert_tp="
-                         f"{groups.expert_tp_size}) is not supported; experts are whole on "
-                         f"each rank (init_parallel(..., expert_tp=1))")
-    t, e = tpar.group_size(tp), tpar.group_size(ep)
-    tpar.validate_model_layout(config, tp=t, ep=e)
-    if t > 1 and e > 1 and t % e and e % t:
-        raise ValueError(f"Qwen3MoeForCausalLM: tp={t} and ep={e} must divide one another")
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -87,7 +81,10 @@ class Qwen3MoeForCausalLM(nn.Module):
         dtype: parameter and activation dtype (float32 or bfloat16); logits are always fp32.
         groups: a tonp_parallel.ParallelGroups (or anything with tp_group / ep_group), or None.
     Weights are initialised from torch's global RNG (normal(0, initializer_range), norms 1), so
-    `torch.manual_seed(s)` before construction fixes them.
+    `torch.manual_seed(s)` before construction fixes them, in every layout.
+    Attributes: stage (range of this rank's layers; `layers[i]` is None outside it), is_first,
+    is_last, sequence_parallel, pipeline_micro_batches (how many micro-batches a pipelined
+    `forward` splits its sequences into, default the PP degree).
     """
 
     def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype = torch.float32, groups=None):
@@ -95,44 +92,71 @@ class Qwen3MoeForCausalLM(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
-        _check_layout(config, groups)
-        self.config, self.dtype, self.groups = config, dtype, groups
         c, tp = config, _group(groups, "tp_group")
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups)
-                                    for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        pp, pp_layers = getattr(groups, "pp_size", 1), getattr(groups, "pp_layers", None)
+        if groups is not None:  # the layout rules, before any weight is built
+            validate_model_layout(c, tp=group_size(tp), ep=group_size(_group(groups, "ep_group")),
+                                  expert_tp=getattr(groups, "expert_tp_size", 1), pp=pp,
+                                  cp=getattr(groups, "cp_size", 1), pp_layers=pp_layers)
+        self.config, self.dtype, self.groups = config, dtype, groups
+        stages = stage_layers(c.num_hidden_layers, pp, pp_layers)
+        self.stage = stages[getattr(groups, "pp_rank", 0)]
+        self.is_first, self.is_last = self.stage.start == 0, self.stage.stop == c.num_hidden_layers
+        self.pipeline_micro_batches = pp
+        sp = bool(getattr(groups, "sequence_parallel", False)) and group_size(tp) > 1
+        self.sequence_parallel = sp
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp) \
+            if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, groups, sp) if i in self.stage
+                                    else None for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype) if self.is_last else None
         self.lm_head = LMHead(c.vocab_size, c.hidden_size, chunks=c.reduction_chunks,
                               tied=self.embed_tokens if c.tie_word_embeddings else None,
-                              dtype=dtype, tp_group=tp)
+                              dtype=dtype, tp_group=tp) if self.is_last else None
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings)
         self.reset_parameters()
 
+    @property
+    def pipelined(self) -> bool:
+        return getattr(self.groups, "pp_size", 1) > 1
+
     def reset_parameters(self) -> None:
         """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0.
-        A sharded matrix draws the full tensor and keeps its shard, so the RNG stream (and
-        every weight) is the unsharded model's."""
-        shards = self.parameter_shards()
+        A sharded matrix draws the full tensor and keeps its shard, and a pipeline stage draws
+        (and drops) the other stages' tensors in their turn, so the RNG stream (and every
+        weight) is the one-process model's."""
+        shards, mine = self.parameter_shards(), dict(self.named_parameters())
+        device = next(self.parameters()).device
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                elif name in shards:
-                    full = torch.empty(shards[name].full_shape(p.shape), dtype=p.dtype)
-                    full.normal_(0.0, self.config.initializer_range)
-                    p.copy_(shards[name].take(full))
-                else:
+            for name, shape in self._full_shapes():
+                p = mine.get(name)
+                if name.endswith("norm.weight") or name.endswith("bias"):
+                    if p is not None:
+                        p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                elif p is not None and name not in shards:
                     p.normal_(0.0, self.config.initializer_range)
+                else:
+                    full = torch.empty(shape, dtype=self.dtype, device=device)
+                    full.normal_(0.0, self.config.initializer_range)
+                    if p is not None:
+                        p.copy_(shards[name].take(full))
+
+    def _full_shapes(self):
+        """[(name, full shape)] of the one-process model's parameters, in its order."""
+        if not self.pipelined:
+            shards = self.parameter_shards()
+            return [(n, shards[n].full_shape(p.shape) if n in shards else p.shape)
+                    for n, p in self.named_parameters()]
+        with torch.device("meta"):
+            twin = Qwen3MoeForCausalLM(self.config, dtype=self.dtype)
+        return [(n, p.shape) for n, p in twin.named_parameters()]
 
     def parameter_shards(self) -> Dict[str, Shard]:
-        """{parameter name: Shard} for every parameter this rank holds only a slice of."""
-        out = {}
-        for mname, mod in self.named_modules():
-            for pname, shard in shards_of(mod).items():
-                out[f"{mname}.{pname}" if mname else pname] = shard
-        return out
+        """{parameter name: Shard(dim, start, length, full, group "tp" | "ep")} for every
+        parameter this rank holds only a slice of: the one source of which parameter is
+        sharded (init, checkpoints, gradient sync); the others are whole on every rank
+        (of this stage, under PP: a stage holds only its own parameters, under their names)."""
+        return parameter_shards(self)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
@@ -152,54 +176,100 @@ class Qwen3MoeForCausalLM(nn.Module):
             return_hidden: packed input only: return the final-normed hidden states [T|R, H]
                 instead of logits (for `lm_head.token_logprobs` / `lm_head.argmax`).
         Returns: fp32 [T, V] (packed), [R, V] (logits_rows), or [B, L, V] (padded, pads 0).
+        Under PP every stage returns the last stage's result (the sequences are split into
+        `pipeline_micro_batches` micro-batches that are in flight together); there, autograd
+        does not cross stages: run it under torch.no_grad() and train with forward_backward.
         """
-        if input_ids.dim() == 2:
+        ids = int_tensor(input_ids, "input_ids")
+        if ids.dim() == 2:
             if cu_seqlens is not None or logits_rows is not None or return_hidden:
                 raise ValueError("Qwen3MoeForCausalLM: a padded [B, L] batch takes "
                                  "attention_mask, not cu_seqlens/logits_rows/return_hidden")
-            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
-                else attention_mask.bool()
-            if mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids "
-                                 f"{tuple(input_ids.shape)}")
+            mask = mask_of(attention_mask, ids)
             counts = mask.sum(1)
             cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(counts, 0)
-            packed = self.forward(input_ids[mask], cu, cache=cache, cache_slots=cache_slots)
-            out = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+            packed = self.forward(ids[mask], cu, cache=cache, cache_slots=cache_slots)
+            out = packed.new_zeros(*ids.shape, packed.shape[-1])
             out[mask] = packed
             return out
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be [T] (packed) or [B, L] (padded), got "
-                             f"{tuple(input_ids.shape)}")
+        if ids.dim() != 1:
+            raise ValueError(f"Qwen3MoeForCausalLM: input_ids must be [T] (packed) or [B, L] "
+                             f"(padded), got shape {tuple(ids.shape)}")
         if attention_mask is not None:
             raise ValueError("attention_mask is for padded [B, L] input_ids; packed input takes "
                              "cu_seqlens")
-        ids = input_ids.long()
+        ids = ids.long()
         T = ids.shape[0]
-        cu = torch.tensor([0, T], dtype=torch.int32) if cu_seqlens is None \
-            else cu_seqlens.to(torch.int32)
-        bounds = cu.tolist()  # one read of the boundaries (each tensor op is ~2 us a decode step)
-        if cu.dim() != 1 or not bounds or bounds[0] != 0 or bounds[-1] != T:
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
-        counts = [b - a for a, b in zip(bounds, bounds[1:])]
-        if min(counts, default=0) < 0:
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}; got {bounds}")
+        cu, bounds = bounds_of(cu_seqlens, T)
         self._check_ids(ids)
-        attn_kw, step = self._positions(cu, counts, cache, cache_slots)
-        positions = attn_kw.pop("positions")
-
-        h = self.embed_tokens(ids)                                                 # (T, H)
-        for layer in self.layers:
-            h = layer(h, positions, self.rotary, **attn_kw)
-        if cache is not None:
-            cache.commit(step)
         if logits_rows is not None:
-            h = h.index_select(0, logits_rows.long())                              # (R, H)
-        h = self.norm(h)                                                           # (T|R, H)
-        if return_hidden:
-            return h
-        return self.lm_head(h)                                                     # (T|R, V)
+            logits_rows = rows_of(logits_rows, T)
+        if cache is not None:
+            self._check_cache(cache)
+            slots = list(range(len(bounds) - 1)) if cache_slots is None else \
+                slots_of(cache_slots, cache)
+            if len(slots) != len(bounds) - 1:
+                raise ValueError(f"{len(bounds) - 1} sequences but {len(slots)} cache_slots")
+        elif cache_slots is not None:
+            raise ValueError("cache_slots given without a cache")
+        else:
+            slots = None
+        self._check_positions(bounds, cache, slots)
+        if self.pipelined:
+            from .pipeline import forward_pipelined
+            return forward_pipelined(self, ids, bounds, cache, slots, logits_rows,
+                                     return_hidden)
+        ctx = self.context(ids, bounds, cache, slots)
+        h = self.stage_forward(None, ctx)
+        h = self.head_hidden(h, ctx, logits_rows)                                  # (T|R, H)
+        return h if return_hidden else self.lm_head(h)                             # (T|R, V)
+
+    def context(self, ids: torch.Tensor, bounds: List[int], cache=None, slots=None) -> dict:
+        """What this rank's stage needs to run the packed sequences `ids` (bounds: cu_seqlens
+        as a list): its rows (ids, positions), how attention reads keys (cu_seqlens, the cache
+        step, or the CP split) and the SP split. Under a cache this prepares the cache step."""
+        attn: dict = {}
+        if cache is not None:
+            counts = [b - a for a, b in zip(bounds, bounds[1:])]
+            attn["step"] = cache.prepare(slots, counts)
+            attn["cache"] = cache
+            local, positions = ids, attn["step"].positions
+        elif getattr(self.groups, "cp_size", 1) > 1:
+            split = attn["cp"] = ContextSplit(bounds, self.groups.cp_group)
+            local, positions = ids.index_select(0, split.rows), split.positions[split.rows]
+        else:
+            attn["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+            local, positions = ids, positions_of(bounds)
+        sp = SequenceSplit(self.groups.tp_group, len(local)) if self.sequence_parallel else None
+        return dict(ids=local, positions=positions, sp=sp, attn=attn, bounds=bounds, cache=cache)
+
+    def stage_rows(self, ctx: dict) -> int:
+        """Rows of the hidden state between stages (this rank's SP share under SP)."""
+        return ctx["sp"].local if ctx["sp"] is not None else len(ctx["ids"])
+
+    def stage_forward(self, h: Optional[torch.Tensor], ctx: dict) -> torch.Tensor:
+        """This stage's part of the forward: embed (first stage; h None) and its layers.
+        Commits the cache step once the stage's layers have written it. -> [rows, H]."""
+        if self.is_first:
+            h = self.embed_tokens(ctx["ids"], sp=ctx["sp"])                        # (T, H)
+        for i in self.stage:
+            h = self.layers[i](h, ctx["positions"], self.rotary, sp=ctx["sp"], **ctx["attn"])
+        if ctx["cache"] is not None:
+            ctx["cache"].commit(ctx["attn"]["step"])
+        return h
+
+    def head_hidden(self, h: torch.Tensor, ctx: dict, rows: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+        """Last stage: the final-normed hidden states [T|R, H] of every packed row (or `rows`),
+        from this rank's part of them (gathered over SP and CP: bytes only)."""
+        if ctx["sp"] is not None:
+            h = ctx["sp"].gather(h, sum_grads=False)                               # (T_cp, H)
+        if "cp" in ctx["attn"]:
+            h = ctx["attn"]["cp"].gather(h)                                        # (T, H)
+        if rows is not None:
+            h = h.index_select(0, rows)                                            # (R, H)
+        return self.norm(h)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         V = self.config.vocab_size
@@ -209,34 +279,43 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
                              f"range [0, {V})")
 
-    def _positions(self, cu, counts, cache, cache_slots):
-        """Positions of the packed rows (and the cache step): 0..n-1 per sequence without a
-        cache, cache.lengths[slot]... with one. Checks the position limit before allocating."""
+    def _check_cache(self, cache) -> None:
+        """A cache of this model's layers, KV heads, head_dim, dtype and page = attention block
+        (another page size would split the keys into other blocks: other bits)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"Qwen3MoeForCausalLM: cache must be a PagedKVCache (model.new_cache),"
+                            f" got {type(cache).__name__}")
+        c, first = self.config, self.stage.start
+        attn = self.layers[first].self_attn
+        want = (c.num_hidden_layers, c.attention_block, attn.local_kv_heads, c.head_dim, self.dtype)
+        got = (len(cache.k), *cache.k[first].shape[1:], cache.k[first].dtype) \
+            if len(cache.k) > first else None
+        if got != want or not set(self.stage) <= set(getattr(cache, "layers", self.stage)):
+            raise ValueError(f"Qwen3MoeForCausalLM: the cache holds (layers, page size, KV heads, "
+                             f"head_dim, dtype) {got}, this model needs {want} with pages for "
+                             f"layers {self.stage.start}..{self.stage.stop - 1}; build it with "
+                             f"model.new_cache")
+
+    def _check_positions(self, bounds, cache, slots) -> None:
+        """No sequence may pass max_position_embeddings (checked before any allocation)."""
         limit = self.config.max_position_embeddings
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
         if cache is None:
-            if cache_slots is not None:
-                raise ValueError("cache_slots given without a cache")
             if max(counts, default=0) > limit:
                 raise ValueError(f"a sequence of {max(counts)} tokens exceeds "
                                  f"max_position_embeddings={limit}")
-            T = int(cu[-1])
-            starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(counts), output_size=T)
-            return dict(positions=torch.arange(T) - starts, cu_seqlens=cu), None
-        slots = list(range(len(counts))) if cache_slots is None else [int(s) for s in cache_slots]
-        if len(slots) != len(counts):
-            raise ValueError(f"{len(counts)} sequences but {len(slots)} cache_slots")
+            return
         for s, n in zip(slots, counts):
             if cache.lengths[s] + n > limit:
                 raise ValueError(f"cache slot {s} would reach {cache.lengths[s] + n} positions, "
                                  f"over max_position_embeddings={limit}")
-        step = cache.prepare(slots, counts)
-        return dict(positions=step.positions, cache=cache, step=step), step
 
     # -- cache and scoring ------------------------------------------------------------------------
     def new_cache(self, max_seqs: int, max_seq_len: int, num_pages: Optional[int] = None
                   ) -> PagedKVCache:
-        """A PagedKVCache for this model (page = attention block; this rank's KV heads; the
-        model's dtype). num_pages defaults to enough for every slot at max_seq_len."""
+        """A PagedKVCache for this model (page = attention block; this rank's KV heads and,
+        under PP, pages for this stage's layers only; the model's dtype). num_pages defaults
+        to enough for every slot at max_seq_len."""
         c = self.config
         if max_seq_len > c.max_position_embeddings:
             raise ValueError(f"new_cache: max_seq_len={max_seq_len} exceeds "
@@ -244,63 +323,44 @@ class Qwen3MoeForCausalLM(nn.Module):
         B = c.attention_block
         if num_pages is None:
             num_pages = max_seqs * -(-max_seq_len // B)
-        attn = self.layers[0].self_attn
+        attn = self.layers[self.stage.start].self_attn
         return PagedKVCache(c.num_hidden_layers, attn.local_kv_heads, c.head_dim, page_size=B,
                             num_pages=num_pages, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                            dtype=self.dtype, device=self.embed_tokens.weight.device)
+                            dtype=self.dtype, device=next(self.parameters()).device,
+                            layers=self.stage)
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], temperature: float = 1.0, *,
                        micro_batch_size: Optional[int] = None, packed: bool = True
                        ) -> List[torch.Tensor]:
         """Per-token log-probabilities by the training forward.
 
-        sequences: 1-D int64 tensors (ragged). Returns fp32 tensors, out[i][j] =
-        log p(seq_i[j+1] | seq_i[:j+1]) under log_softmax(logits / temperature), len(seq_i) - 1
-        each. Sequences are scored micro_batch_size at a time (None = all at once), packed
-        (cu_seqlens) or padded (attention_mask). Differentiable when grad is enabled.
+        sequences: 1-D integer token-id sequences (tensors, arrays or lists; ragged; each
+        non-empty). Returns fp32 tensors, out[i][j] = log p(seq_i[j+1] | seq_i[:j+1]) under
+        log_softmax(logits / temperature), len(seq_i) - 1 each. temperature: > 0, a normal number
+        in fp32. Sequences are scored micro_batch_size (an int >= 1; None = all, or under PP
+        one micro-batch a stage) at a time, packed (cu_seqlens) or padded (attention_mask; PP = CP
+        = 1 only). Differentiable when grad is enabled, except under PP (use forward_backward).
+        Every rank of a model replica (TP x CP x PP) must pass the same sequences and settings
+        (checked: a mismatch raises RuntimeError on every rank, before any forward).
         """
-        if temperature <= 0:
-            raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-        seqs = [torch.as_tensor(s).long().reshape(-1) for s in sequences]
-        if any(len(s) == 0 for s in seqs):
-            raise ValueError("token_logprobs: every sequence needs at least one token")
-        mb = micro_batch_size or max(len(seqs), 1)
-        if mb < 1:
-            raise ValueError(f"token_logprobs: micro_batch_size must be >= 1, got {mb}")
-        out: List[torch.Tensor] = []
-        for i in range(0, len(seqs), mb):
-            out.extend(self._score(seqs[i:i + mb], temperature, packed))
-        return out
+        from .scoring import token_logprobs
+        return token_logprobs(self, sequences, temperature, micro_batch_size, packed)
 
-    def _score(self, seqs, temperature, packed):
-        lens = [len(s) for s in seqs]
-        targets = torch.cat([s[1:] for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
-        if packed:
-            cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-            # Only rows that predict a token go through the final norm and LM head.
-            rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]) - 1)
-                              for i in range(len(seqs))]) if seqs else targets
-            h = self.forward(torch.cat(seqs), cu, logits_rows=rows, return_hidden=True)
-            # The LM head scores its vocab shard and finishes the vocab tree across TP ranks.
-            lp = self.lm_head.token_logprobs(h, targets, temperature=temperature)  # (R,)
-        else:
-            L = max(lens)
-            ids = torch.zeros(len(seqs), L, dtype=torch.long)
-            mask = torch.zeros(len(seqs), L, dtype=torch.bool)
-            for i, s in enumerate(seqs):
-                ids[i, :len(s)], mask[i, :len(s)] = s, True
-            pred = mask.clone()
-            pred[torch.arange(len(seqs)), torch.tensor(lens) - 1] = False
-            logits = self.forward(ids, attention_mask=mask)[pred]                  # (R, V)
-            lp = tk.token_logprobs(logits, targets, temperature=temperature)
-        return list(lp.split([n - 1 for n in lens]))
+    def forward_backward(self, sequences: Sequence[torch.Tensor], loss_fn, *,
+                         micro_batches: int = 1, temperature: float = 1.0):
+        """One training step's forward and backward over `sequences` in `micro_batches`
+        micro-batches (1F1B under PP, gradient accumulation at PP 1): see
+        `qwen3_moe.scoring.forward_backward`. Returns a StepResult (loss, logprobs)."""
+        from .scoring import forward_backward
+        return forward_backward(self, sequences, loss_fn, micro_batches=micro_batches,
+                                temperature=temperature)
 
     # -- checkpoints ------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, dtype: Optional[torch.dtype] = None, groups=None
                         ) -> "Qwen3MoeForCausalLM":
-        """Load an HF checkpoint dir (config.json + safetensors, hub or fused-expert layout).
+        """Load an HF checkpoint dir (config.json + safetensors, hub or fused-expert layout);
+        each rank reads only its shards of its stage's tensors.
         dtype None = the config's dtype when it is float32/bfloat16, else float32."""
         from .checkpoint import load_checkpoint
         config = Qwen3MoeConfig.from_hf(path)
@@ -316,6 +376,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def save_pretrained(self, path, max_shard_size: int = 5 * 2**30) -> None:
         """Write config.json and safetensors in the hub layout (sharded with an index when
-        larger than max_shard_size bytes); transformers' from_pretrained reads it."""
+        larger than max_shard_size bytes); transformers' from_pretrained reads it. Under
+        TP / EP / PP every rank calls it: the shards and stages are gathered."""
         from .checkpoint import save_checkpoint
         save_checkpoint(self, path, max_shard_size=max_shard_size)

@@ -4,17 +4,10 @@
     ckpt.save(step, {"model": ..., "optimizer": ..., ...}, meta={"config": ..., ...})
     state = ckpt.load(ckpt.latest(), expect={"config": ..., ...})
 
-Layout: `<root>/step_00000100/` holds `rank00000.pt` (one per rank: its model shard, optimizer
-state, RNG states, ...) and `meta.json` (step, what the run was, and the size and sha256 of every
-rank file). A save writes everything into `<root>/.tmp-step_...`, fsyncs the files, writes
-meta.json last, then renames the directory into place (atomic on POSIX) and fsyncs `<root>`. So
-a crash at any moment leaves either the complete new checkpoint or none of it, never a torn one,
-and the previous checkpoints are untouched. Old checkpoints beyond `keep_last` are renamed away
-before being deleted, for the same reason.
-
-Loading checks meta.json (a directory without it is an interrupted save), every file's size and
-sha256 (corruption), and that the run's identity (config, parallel layout, dtype, ...) matches
-`expect` (a mismatched checkpoint): each failure is a CheckpointError that says what is wrong.
+`<root>/step_00000100/` holds one `rankNNNNN.pt` per rank and `meta.json` (the run's identity,
+each file's size and sha256), written last; the directory is renamed into place, so a crash
+leaves the complete checkpoint or none of it. Loading checks completeness, checksums and that
+`expect` matches; each failure is a CheckpointError. Details: docs/training.md.
 """
 from __future__ import annotations
 
@@ -195,8 +188,11 @@ def read_meta(path: str) -> Dict[str, Any]:
         raise CheckpointError(f"no checkpoint directory at {path}")
     mpath = os.path.join(path, "meta.json")
     if not os.path.isfile(mpath):
+        inside = CheckpointManager(path).complete()
+        hint = (f"; it holds checkpoints ({os.path.basename(inside[-1])} is the newest): pass "
+                f"one of them, or --resume alone for the latest") if inside else ""
         raise CheckpointError(f"{path} has no meta.json: it is not a checkpoint, or its save was "
-                              f"interrupted")
+                              f"interrupted{hint}")
     try:
         with open(mpath) as f:
             return json.load(f)

@@ -1,0 +1,148 @@
+"""Exact linear: y[m, n] = tree over chunks c of hsum(lanes of chunk c) (+ bias), one rounding.
+
+The CPU kernel's arithmetic (kernels_impl.h): K is cut into C chunks of kc; in a chunk, lane l
+(0..7) is an FMA chain from 0 over k = l, l + 8, ... in order, the last kc % 8 products going to
+lanes 0.. in order; the eight lanes are closed by ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the C
+chunk partials by the pairwise tree; the bias is added in fp32; the output rounded once.
+
+Here a program owns a [BM, BN] tile of outputs and keeps its 8 * BM * BN lane chains in
+registers: each step loads x [BM, 8] and w [BN, 8] and runs one FMA per chain (an outer product
+per lane on CUDA cores). The tile depends on the weight shape only, never on M, and no output's
+chains or trees depend on the tile. A grouped launch (the MoE experts) gives each row tile its
+expert's weight through a tile table.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import numerics as nm
+from ._launch import check_device, float_dtype, launch
+
+MAX_CHUNKS = 64  # as kernels.h kMaxChunks: the chunk tree keeps six pending levels
+
+
+@triton.jit
+def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.constexpr,
+                   X_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """The [BM, BN] partials of the chunk [k0, k0 + kc): lane chains, tail, hsum tree."""
+    lane = tl.arange(0, 8)
+    acc = tl.full([BM, BN, 8], 0, tl.float32)
+    k8 = kc // 8 * 8
+    for k in range(0, k8, 8):
+        kk = (k0 + k + lane)[None, :]
+        xv = nm.load_f32(x_rows + kk, xm, X_BF16)  # [BM, 8]
+        wv = nm.load_f32(w_rows + kk, wm, W_BF16)  # [BN, 8]
+        acc = tl.fma(xv[:, None, :], wv[None, :, :], acc)
+    # The kc % 8 tail products go to lanes 0.. in order; the other lanes keep their value.
+    tail = (lane < kc - k8)[None, :]
+    kk = (k0 + k8 + lane)[None, :]
+    xv = nm.load_f32(x_rows + kk, xm & tail, X_BF16)
+    wv = nm.load_f32(w_rows + kk, wm & tail, W_BF16)
+    acc = tl.where(tail[:, None, :], tl.fma(xv[:, None, :], wv[None, :, :], acc), acc)
+    return nm.hsum8_3d(acc, BM, BN)
+
+
+@triton.jit
+def _chunk_tree(x_rows, w_rows, xm, wm, c0: tl.constexpr, n: tl.constexpr, kc, BM: tl.constexpr,
+                BN: tl.constexpr, X_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """Chunks c0 .. c0 + n - 1 (n a power of two) by the pairwise chunk tree (kernels_impl.h
+    chunk_tree): ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), unrolled at compile time, left + right."""
+    if n == 1:
+        return _chunk_partial(x_rows, w_rows, xm, wm, c0 * kc, kc, BM, BN, X_BF16, W_BF16)
+    else:
+        left = _chunk_tree(x_rows, w_rows, xm, wm, c0, n // 2, kc, BM, BN, X_BF16, W_BF16)
+        return left + _chunk_tree(x_rows, w_rows, xm, wm, c0 + n // 2, n // 2, kc, BM, BN, X_BF16,
+                                  W_BF16)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estride,
+                   CHUNKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   X_BF16: tl.constexpr, W_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:  # tile table rows: (expert, first row, rows)
+        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+        r_end = r0 + tl.load(tiles_ptr + 3 * pid_m + 2)
+        w_ptr += e * w_estride
+    else:
+        r0 = pid_m * BM
+        r_end = M
+    rows = r0 + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rm = rows < r_end
+    cm = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    p = _chunk_tree(x_rows, w_rows, rm[:, None], cm[:, None], 0, CHUNKS, kc, BM, BN, X_BF16, W_BF16)
+    if HAS_BIAS:
+        p = p + tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    nm.store_f32(out, p, rm[:, None] & cm[None, :], OUT_BF16)
+
+
+def tiles_for(N: int) -> tuple:
+    """(BM, BN) of a program: from the weight's N only (wider for wide weights)."""
+    return 16, (64 if N >= 4096 else 32)
+
+
+def check_chunks(op: str, K: int, chunks: int) -> None:
+    if chunks < 1 or chunks & (chunks - 1):
+        raise ValueError(f"tonp.{op}: chunks must be a power of two, got {chunks}")
+    if K % chunks:
+        raise ValueError(f"tonp.{op}: the reduction size K={K} is not divisible by chunks={chunks} "
+                         "(the chunk tree needs C | K)")
+    if chunks > MAX_CHUNKS:
+        raise ValueError(f"tonp.{op}: at most {MAX_CHUNKS} reduction chunks, got {chunks}")
+
+
+def launch_linear(x, w, bias, out, chunks: int, tiles=None, w_estride: int = 0,
+                  block=None) -> None:
+    """out [rows, N] <- x [rows, K] @ w[e] [N, K] (+ bias): contiguous tensors, K > 0.
+    tiles: None (row blocks of BM) or an int32 table [T, 3] of (expert, first row, rows <= BM)."""
+    M, K = x.shape
+    N = out.shape[1]
+    BM, BN = block or tiles_for(N)
+    grid = (triton.cdiv(M, BM) if tiles is None else tiles.shape[0], triton.cdiv(N, BN))
+    launch(_linear_kernel, grid, x, w, bias if bias is not None else out,
+           out, tiles if tiles is not None else out, M, N, K, K // chunks, w_estride,
+           CHUNKS=chunks, BM=BM, BN=BN, X_BF16=x.dtype == torch.bfloat16,
+           W_BF16=w.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
+           HAS_BIAS=bias is not None, GROUPED=tiles is not None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           chunks: int = 8, out_dtype: Optional[torch.dtype] = None, *,
+           block: Optional[tuple] = None) -> torch.Tensor:
+    """torch.ops.tonp.linear's bits: x [M, K], weight [N, K], bias [N] -> [M, N] (out_dtype or
+    x.dtype). block: (BM, BN) to override the tile (it never changes a bit)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"tonp.linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+                         "match: expected x [M, K] and weight [N, K]")
+    float_dtype(x, "linear", "x")
+    float_dtype(weight, "linear", "weight")
+    odt = out_dtype or x.dtype
+    float_dtype(odt, "linear", "out_dtype")
+    M, K = x.shape
+    N = weight.shape[0]
+    check_chunks("linear", K, chunks)
+    check_device("linear", x, weight, *([bias] if bias is not None else []))
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"tonp.linear: bias must be [{N}], got {tuple(bias.shape)}")
+        float_dtype(bias, "linear", "bias")
+        bias = bias.float().contiguous()
+    out = torch.empty(M, N, dtype=odt, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:  # as the C++ op: zeros, plus the bias in the output dtype
+        out.zero_()
+        return out.add_(bias.to(odt)) if bias is not None else out
+    launch_linear(x.contiguous(), weight.contiguous(), bias, out, chunks, block=block)
+    return out

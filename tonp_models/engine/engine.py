@@ -1,0 +1,225 @@
+"""`Engine`: the rollout engine. Requests join and leave a running continuous batch at any step,
+each with its own sampling settings, max tokens, eos / stop ids and noise key; a step is one
+forward of the model over a ragged batch of prefill chunks and decode tokens.
+
+    engine = Engine(model, max_batch_size=8, max_step_tokens=256)
+    engine.add(Request("a", prompt_ids, SamplingParams(max_new_tokens=32, temperature=1.0)))
+    while engine.has_work:
+        for out in engine.step():      # StepOutput: request, token, logprob, finish
+            ...
+
+Every token and logprob is, bit for bit, what the request gets alone and what the training
+forward gives its sequence (`model.token_logprobs`), with prefix caching and chunked prefill on
+(docs/generation.md). The engine is single-threaded: one thread owns it (tonp_models.serve runs
+it in its own thread and talks to it through a queue).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layers import CacheFullError
+from .prefix_cache import PrefixCache
+from .request import EngineStats, Request, StepOutput
+from .sampling import pick
+from .scheduler import Scheduler
+
+
+class Engine:
+    """A request queue and a scheduler over one model and one paged KV cache.
+
+    Args:
+        model: a Qwen3MoeForCausalLM (anything with its forward, `new_cache` and `config`).
+        max_batch_size: requests running at once at most (the cache's sequence slots).
+        num_pages: KV-cache pages (None = max_batch_size sequences of max_seq_len).
+        max_seq_len: positions a request may reach (None = max_position_embeddings).
+        prefix_caching: share the K/V pages of computed prefixes (engine/prefix_cache.py).
+        max_step_tokens: tokens one forward feeds at most (None = no limit): long prompts are
+            prefilled in chunks while the running requests keep decoding. >= max_batch_size.
+        strict: raise a request's error (non-finite logits, overflowing temperature) from step()
+            instead of ending that request with finish "error".
+        who: the name errors start with.
+        lockstep_group: a process group whose ranks step together although they hold different
+            requests (expert parallelism without tensor parallelism between them): a rank
+            without work runs a one-token forward while a peer has work (see `idle_everywhere`).
+    """
+
+    def __init__(self, model, *, max_batch_size: int = 8, num_pages: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, prefix_caching: bool = True,
+                 max_step_tokens: Optional[int] = None, strict: bool = False,
+                 who: str = "engine", lockstep_group=None):
+        c = model.config
+        self.model, self.who, self.strict = model, who, strict
+        self.max_seq_len = max_seq_len or c.max_position_embeddings
+        if max_batch_size < 1 or (num_pages is not None and num_pages < 1):
+            raise ValueError(f"{who}: max_batch_size and num_pages must be >= 1, got "
+                             f"{max_batch_size}, {num_pages}")
+        if max_step_tokens is not None and max_step_tokens < max_batch_size:
+            raise ValueError(f"{who}: max_step_tokens={max_step_tokens} must be >= "
+                             f"max_batch_size={max_batch_size} (every running request feeds "
+                             f"a token each step)")
+        self.cache = model.new_cache(max_batch_size, self.max_seq_len, num_pages=num_pages)
+        self.prefix = PrefixCache(self.cache) if prefix_caching else None
+        self.sched = Scheduler(self.cache, self.prefix, max_batch_size, max_step_tokens)
+        self.stats = EngineStats()
+        self.lockstep_group = lockstep_group
+        self.requests: Dict[Any, Request] = {}
+        self._news: List[StepOutput] = []   # outputs of requests that ended between steps
+
+    # -- requests ----------------------------------------------------------------------------
+    def check(self, r: Request) -> None:
+        """Raise (ValueError / IndexError / CacheFullError, naming the request) unless r can
+        run: a non-empty prompt of token ids in the vocabulary whose full length, prompt +
+        max_new_tokens, fits the position limit and the cache alone. Reads constants only, so
+        another thread may call it."""
+        c, name = self.model.config, f"{self.who}: request {r.name}"
+        n, new = len(r.tokens), r.params.max_new_tokens
+        if n == 0:
+            raise ValueError(f"{name}: the prompt is empty (a prompt needs at least one token)")
+        bad = sorted({t for t in r.tokens if not 0 <= t < c.vocab_size})
+        if bad:
+            raise IndexError(f"{name}: the prompt holds token ids {bad[:8]} outside the "
+                             f"vocabulary [0, {c.vocab_size})")
+        limit, positions = c.max_position_embeddings, n + max(new, 1) - 1  # last one not fed
+        if n + new > limit or positions > self.max_seq_len:
+            raise ValueError(f"{name}: the prompt ({n} tokens) + max_new_tokens={new} = "
+                             f"{n + new} tokens exceeds the context of "
+                             f"{min(limit, self.max_seq_len + 1)} tokens")
+        B = self.cache.page_size
+        pages = -(-positions // B)
+        if pages > self.cache.num_pages:
+            raise CacheFullError(f"{name} needs {pages} KV-cache pages of {B} positions "
+                                 f"({positions} positions) but the cache holds num_pages="
+                                 f"{self.cache.num_pages}; it cannot run even alone")
+
+    def add(self, r: Request) -> None:
+        """Queue a request (checked first); it joins the running batch when it fits."""
+        if r.key in self.requests:
+            raise ValueError(f"{self.who}: a request with key {r.key!r} is already queued")
+        self.check(r)
+        self.requests[r.key] = r
+        self.stats.prompt_tokens += r.prompt_len
+        if r.params.max_new_tokens == 0:
+            self._end(r, "length")
+        else:
+            self.sched.waiting.append(r)
+
+    def abort(self, key) -> bool:
+        """End a waiting or running request now (finish "abort"; its pages are released).
+        False when no live request has this key."""
+        r = self.requests.get(key)
+        if r is None:
+            return False
+        self._end(r, "abort")
+        return True
+
+    def _end(self, r: Request, reason: str, error: Optional[Exception] = None) -> None:
+        self.sched.finish(r, reason)
+        r.error = error
+        del self.requests[r.key]
+        self.stats.requests_finished += 1
+        self._news.append(StepOutput(r, finish=reason))
+
+    @property
+    def has_work(self) -> bool:
+        return not self.sched.done or bool(self._news)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.sched.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a weight update their K/V are stale)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def idle_everywhere(self) -> bool:
+        """True when this engine, and under lockstep every engine of the group, has no work.
+        Collective under lockstep: every rank calls it, then step() when it returned False."""
+        busy = self.has_work
+        if self.lockstep_group is None:
+            return not busy
+        flag = torch.tensor([int(busy)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return not flag.item()
+
+    @torch.no_grad()
+    def step(self) -> List[StepOutput]:
+        """One forward over the scheduled batch; the outputs of this step (one per request that
+        got a token or ended). Under lockstep, a rank without work runs a one-token forward."""
+        news, self._news = self._news, []
+        feeds = self.sched.schedule()
+        self.stats.preemptions = self.sched.preemptions
+        self.stats.cached_tokens = self.sched.cached_tokens
+        if not feeds:
+            if self.lockstep_group is not None:
+                self.model(torch.zeros(1, dtype=torch.int64),
+                           logits_rows=torch.zeros(0, dtype=torch.int64))
+            elif self.sched.waiting and not self.sched.admit_started_only:
+                # cannot happen: add() checked that each request fits alone
+                raise CacheFullError(f"{self.who}: request {self.sched.waiting[0].name} does "
+                                     f"not fit in {self.cache.free_pages} free pages")
+            return news
+        rows, counts = [r for r, _ in feeds], [n for _, n in feeds]
+        ids = torch.tensor([t for r, n in feeds for t in r.tokens[r.cached:r.cached + n]],
+                           dtype=torch.int64)
+        ends = list(itertools.accumulate(counts))
+        done = [i for i, (r, n) in enumerate(feeds) if r.cached + n == len(r.tokens)]
+        cu = torch.tensor([0] + ends, dtype=torch.int32)
+        last = torch.tensor([ends[i] - 1 for i in done], dtype=torch.int64)
+        logits = self.model(ids, cu, cache=self.cache, cache_slots=[r.slot for r in rows],
+                            logits_rows=last)                                      # (S', V) fp32
+        self.stats.forward_steps += 1
+        for r, n in feeds:
+            if r.prefilling:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+            if self.prefix is not None:
+                self.prefix.note(r.slot, r.tokens, r.page_keys, r.cached, r.cached + n)
+            r.cached += n
+        sampled = [rows[i] for i in done]
+        picks = pick(self.who, logits, sampled) if sampled else []
+        for r, (tok, lp, top, err) in zip(sampled, picks):
+            if err is not None:
+                if self.strict:
+                    raise err
+                self._end(r, "error", err)
+                continue
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            if top is not None:
+                r.top_logprobs.append(top)
+            r.prefilling = False
+            self.stats.new_tokens += 1
+            p = r.params
+            reason = "eos" if tok in p.eos_token_ids else "stop" if tok in p.stop_token_ids \
+                else "length" if r.num_new >= p.max_new_tokens else None
+            news.append(StepOutput(r, tok, lp, top, reason))
+            if reason:
+                self.sched.finish(r, reason)
+                del self.requests[r.key]
+                self.stats.requests_finished += 1
+        news.extend(self._news)
+        self._news = []
+        return news
+
+
+def lockstep_group(model):
+    """The group a generate call must step in lockstep with: the model's expert-parallel group
+    when it holds ranks outside this rank's tensor-parallel group (those may hold other
+    requests, and every MoE forward is an all_to_all over the EP group); else None."""
+    groups = getattr(model, "groups", None)
+    ep, tp = getattr(groups, "ep_group", None), getattr(groups, "tp_group", None)
+    if ep is None or dist.get_world_size(ep) == 1:
+        return None
+    tp_ranks = set(dist.get_process_group_ranks(tp)) if tp is not None else {dist.get_rank()}
+    return None if set(dist.get_process_group_ranks(ep)) <= tp_ranks else ep

@@ -1,0 +1,172 @@
+"""The command line of the rollout service, `python -m tonp_models.serve` (docs/serving.md).
+
+    python -m tonp_models.serve --hf PATH                       # an HF checkpoint directory
+    python -m tonp_models.serve --preset tiny --port 8000       # a random tiny model
+    torchrun --nproc-per-node 2 -m tonp_models.serve --hf PATH --tp 2
+
+Rank 0 serves HTTP (host 127.0.0.1 unless --host says otherwise; --port 0 picks a free port);
+every rank steps the engine in lockstep. The line "tonp serve: listening on http://HOST:PORT"
+is printed (and flushed) once the server accepts connections. SIGINT / SIGTERM shut it down
+gracefully: running requests finish (up to --graceful-timeout seconds), the rest are cancelled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+from typing import List, Optional
+
+import torch
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tonp_models.serve",
+                                 description="tonp's OpenAI-compatible rollout service")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="PATH", help="an HF checkpoint directory (config.json, "
+                     "safetensors, and optionally a tokenizer with a chat template)")
+    src.add_argument("--preset", help="a Qwen3MoeConfig preset with random weights (e.g. tiny)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                    help="override a preset config field (value parsed as JSON when it is)")
+    ap.add_argument("--seed", type=int, default=0, help="weight init seed of --preset")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                    help="default: the checkpoint's (fp32 for --preset)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (torchrun)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0 = a free port")
+    ap.add_argument("--served-model-name", default=None, help="default: the directory name")
+    ap.add_argument("--max-batch-size", type=int, default=32, help="requests running at once")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV-cache pages (default: max-batch-size full-length sequences)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="prompt + max tokens at most (default: max_position_embeddings)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="tokens a forward feeds at most (chunked prefill; default: no limit)")
+    ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--max-n", type=int, default=64, help="sequences one request may ask for")
+    ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant",
+                    help="kernel mode (torch: stock ops, for comparison)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    ap.add_argument("--graceful-timeout", type=float, default=10.0,
+                    help="seconds running requests may take to finish on shutdown")
+    return ap.parse_args(argv)
+
+
+def key_value(item: str):
+    """An argparse type: "KEY=VALUE" -> (key, value parsed as JSON when it is JSON)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_model(args, groups):
+    from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.dtype]
+    if args.hf:
+        return Qwen3MoeForCausalLM.from_pretrained(args.hf, dtype=dtype, groups=groups).eval()
+    config = Qwen3MoeConfig.preset(args.preset, **dict(args.set))
+    torch.manual_seed(args.seed)
+    return Qwen3MoeForCausalLM(config, dtype=dtype or torch.float32, groups=groups).eval()
+
+
+def weight_loader(model):
+    """path -> load that checkpoint into `model` (this rank's shards); WeightsRefused, before
+    any weight changes, when the directory or its config does not fit the running model."""
+    import dataclasses
+
+    from tonp_models import Qwen3MoeConfig
+    from tonp_models.qwen3_moe.checkpoint import load_checkpoint
+
+    from .service import WeightsRefused
+
+    def load(path: str) -> None:
+        try:
+            config = Qwen3MoeConfig.from_hf(path)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise WeightsRefused(f"update_weights: cannot read a checkpoint config at "
+                                 f"{path!r}: {e}") from None
+        mine = dataclasses.asdict(model.config)
+        differ = sorted(k for k, v in dataclasses.asdict(config).items()
+                        if k != "torch_dtype" and mine[k] != v)
+        if differ:
+            raise WeightsRefused(f"update_weights: the checkpoint at {path!r} does not match "
+                                 f"the running model: {', '.join(differ)} differ")
+        load_checkpoint(model, path)
+    return load
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    import tonp_parallel as tpar
+    from tonp_models.engine import Engine
+
+    from .app import ServeState
+    from .service import EngineService
+    from .text import TextCodec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    groups = tpar.init_parallel(tp=args.tp, ep=args.ep) if distributed or args.tp * args.ep > 1 \
+        else None
+    if groups is not None and groups.world_size > args.tp * args.ep:
+        raise SystemExit(f"tonp_models.serve: {groups.world_size} ranks for tp={args.tp} x "
+                         f"ep={args.ep}: the world must be one model; data-parallel replicas "
+                         f"are separate servers")
+    model = build_model(args, groups)
+    c = model.config
+    context = min(args.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+    engine = Engine(model, max_batch_size=args.max_batch_size, num_pages=args.num_pages,
+                    max_seq_len=context - 1, prefix_caching=not args.no_prefix_cache,
+                    max_step_tokens=args.max_step_tokens, who="serve")
+    group = None if groups is None else torch.distributed.group.WORLD
+    service = EngineService(engine, weight_loader(model), mode=args.mode, group=group)
+    if groups is not None and groups.rank != 0:
+        service.follow()
+        return
+    codec = TextCodec(args.hf)
+    eos = c.eos_token_id if isinstance(c.eos_token_id, list) else \
+        [] if c.eos_token_id is None else [c.eos_token_id]
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.hf)) if args.hf
+                                      else args.preset)
+    st = ServeState(service, codec, name, context, c.vocab_size,
+                    sorted(set(eos) | set(codec.eos_ids())), args.max_n)
+    serve(st, args.host, args.port, args.graceful_timeout)
+
+
+def serve(st, host: str, port: int, graceful_timeout: float) -> None:
+    """Bind, start the engine thread, announce the address once serving, serve until a signal."""
+    import uvicorn
+
+    from .app import create_app
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)      # connections wait in the backlog until uvicorn accepts them
+    bound = sock.getsockname()
+    st.service.start()
+    holder = []   # the server, once built: the app watches it for the shutdown signal
+    app = create_app(st, ready=f"tonp serve: listening on http://{bound[0]}:{bound[1]}",
+                     stopping=lambda: bool(holder) and holder[0].should_exit,
+                     grace=graceful_timeout)
+    # uvicorn's own deadline is a backstop: the app aborts what is left after the grace period
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=graceful_timeout + 10))
+    holder.append(server)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the
+    # handler it found: with these, the process then ends normally (exit code 0).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        st.service.shutdown()
+        sys.stdout.flush()
