@@ -1,6 +1,7 @@
 """Exact linear: y[m, n] = tree over chunks c of hsum(lanes of chunk c) (+ bias), one rounding.
 
-The CPU kernel's arithmetic (kernels_impl.h): K is cut into C chunks of kc; in a chunk, lane l
+The CPU kernel's arithmetic (kernels_impl.h; bf16 x bf16: bf16dot.h's pair chains, _pair_partial):
+K is cut into C chunks of kc; in a chunk, lane l
 (0..7) is an FMA chain from 0 over k = l, l + 8, ... in order, the last kc % 8 products going to
 lanes 0.. in order; the eight lanes are closed by ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the C
 chunk partials by the pairwise tree; the bias is added in fp32; the output rounded once.
@@ -26,9 +27,32 @@ MAX_CHUNKS = 64  # as kernels.h kMaxChunks: the chunk tree keeps six pending lev
 
 
 @triton.jit
-def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.constexpr,
-                   X_BF16: tl.constexpr, W_BF16: tl.constexpr):
-    """The [BM, BN] partials of the chunk [k0, k0 + kc): lane chains, tail, hsum tree."""
+def _pair_half(x_rows, w_rows, xm, wm, k0, kc, i, acc, ODD: tl.constexpr):
+    """One element of each lane's pair (i: the pair's first index per lane; zeros past kc)."""
+    ok = (i + ODD < kc)[None, :]
+    kk = (k0 + i + ODD)[None, :]
+    xv = nm.load_f32(x_rows + kk, xm & ok, True)  # [BM, 8]
+    wv = nm.load_f32(w_rows + kk, wm & ok, True)  # [BN, 8]
+    return nm.pair_step(xv[:, None, :], wv[None, :, :], acc)
+
+
+@triton.jit
+def _pair_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.constexpr):
+    """bf16 x bf16: the chunk's pair chains (CONTRACT.md): blocks of 16 (the last zero-padded),
+    lane l steps through the pair 16 j + 2 l, the odd element first; then the hsum tree."""
+    lane = tl.arange(0, 8)
+    acc = tl.full([BM, BN, 8], 0, tl.float32)
+    for j in range(0, (kc + 15) // 16):
+        i = 16 * j + 2 * lane
+        acc = _pair_half(x_rows, w_rows, xm, wm, k0, kc, i, acc, 1)
+        acc = _pair_half(x_rows, w_rows, xm, wm, k0, kc, i, acc, 0)
+    return nm.hsum8_3d(acc, BM, BN)
+
+
+@triton.jit
+def _lane_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.constexpr,
+                  X_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """An fp32 operand: the eight FMA lane chains, the kc % 8 tail, the hsum tree."""
     lane = tl.arange(0, 8)
     acc = tl.full([BM, BN, 8], 0, tl.float32)
     k8 = kc // 8 * 8
@@ -44,6 +68,17 @@ def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.cons
     wv = nm.load_f32(w_rows + kk, wm & tail, W_BF16)
     acc = tl.where(tail[:, None, :], tl.fma(xv[:, None, :], wv[None, :, :], acc), acc)
     return nm.hsum8_3d(acc, BM, BN)
+
+
+@triton.jit
+def _chunk_partial(x_rows, w_rows, xm, wm, k0, kc, BM: tl.constexpr, BN: tl.constexpr,
+                   X_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """The [BM, BN] partials of the chunk [k0, k0 + kc)."""
+    if X_BF16 and W_BF16:
+        p = _pair_partial(x_rows, w_rows, xm, wm, k0, kc, BM, BN)
+    else:
+        p = _lane_partial(x_rows, w_rows, xm, wm, k0, kc, BM, BN, X_BF16, W_BF16)
+    return p
 
 
 @triton.jit
@@ -83,6 +118,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, tiles_ptr, M, N, K, kc, w_estri
     p = _chunk_tree(x_rows, w_rows, rm[:, None], cm[:, None], 0, CHUNKS, kc, BM, BN, X_BF16, W_BF16)
     if HAS_BIAS:
         p = p + tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
+    if X_BF16 and W_BF16:  # bf16dot.h pair_store: a NaN output is the canonical NaN
+        p = tl.where(p != p, float("nan"), p)
     out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     nm.store_f32(out, p, rm[:, None] & cm[None, :], OUT_BF16)
 

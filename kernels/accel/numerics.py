@@ -165,6 +165,28 @@ def round_to(v, BF16: tl.constexpr):
         return v
 
 
+FLT_MIN = 1.1754943508222875e-38  # 2^-126, exact in fp32
+
+
+@triton.jit
+def _daz(a):
+    """A subnormal (bf16-widened) input read as a zero of its sign."""
+    return tl.where(tl.abs(a) < FLT_MIN, a * 0.0, a)
+
+
+@triton.jit
+def pair_step(a, b, c):
+    """One step of the bf16 pair chains (CONTRACT.md; kernels/csrc/bf16dot.h portable step):
+    fma with subnormal inputs read as zero, a result tiny after rounding flushed to a signed zero
+    (|r| = FLT_MIN exactly: kept unless the rescaled fma(2a, b, 2c) is below 2 FLT_MIN)."""
+    a = _daz(a)
+    b = _daz(b)
+    r = tl.fma(a, b, c)
+    m = tl.abs(r)
+    tiny = (m < FLT_MIN) | ((m == FLT_MIN) & (tl.abs(tl.fma(2.0 * a, b, 2.0 * c)) < 2.0 * FLT_MIN))
+    return tl.where(tiny, r * 0.0, r)
+
+
 @triton.jit
 def hsum8_3d(a, A: tl.constexpr, B: tl.constexpr):
     """[A, B, 8] lanes -> [A, B]: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), the one hsum tree."""
