@@ -165,7 +165,7 @@ def round_to(v, BF16: tl.constexpr):
         return v
 
 
-FLT_MIN = 1.1754943508222875e-38  # 2^-126, exact in fp32
+FLT_MIN = tl.constexpr(_f32(0x00800000))  # 2^-126, the smallest normal fp32
 
 
 @triton.jit
