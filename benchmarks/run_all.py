@@ -11,7 +11,8 @@ transformers for each model and dtype (model_bench.py), every comparison as a ra
 by side in this run, each tonp figure as a fraction of the bound that limits it, the targets of
 issue 7 (met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
 the kernel (kernels.py), collective (collectives.py), rollout-service (serve_bench.py) and
-pipeline / context parallelism (parallel_bench.py) tables, run as subprocesses.
+pipeline / context parallelism (parallel_bench.py) and training-speed (train_bench.py, issue 20)
+tables, run as subprocesses.
 """
 from __future__ import annotations
 
@@ -306,6 +307,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-parallel", action="store_true",
                     help="skip parallel_bench.py (PP / CP against PP 1 / CP 1)")
+    ap.add_argument("--skip-train", action="store_true",
+                    help="skip train_bench.py (issue 20: training step vs forward and torch)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
                     help="rebuild the report of a stored run (e.g. benchmarks/results/latest.json)"
                          ", re-measuring only the machine's limits (best of stored and new)")
@@ -346,6 +349,10 @@ def main(argv=None) -> dict:
                          "parallel.md", 1800)
             extra += [("Pipeline and context parallelism (benchmarks/parallel_bench.py)",
                        p[1])] if p else []
+        if not args.skip_train:
+            t = run_peer("train_bench.py", [] if mode == "full" else ["--quick"],
+                         "train.md" if mode == "full" else "train_quick.md", 1800)
+            extra += [("Training speed (benchmarks/train_bench.py)", t[1])] if t else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
     store["targets"] = all_targets(cases, runs, machine)

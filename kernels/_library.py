@@ -29,8 +29,9 @@ def op(name: str):
 
 
 def isa() -> str:
-    """The kernel table this process uses: "avx2" (AVX2 + FMA) or "portable" (no AVX2, or
-    TONP_FORCE_PORTABLE=1, read at each call). Both give the same bits."""
+    """The kernel table this process uses: "avx512bf16" (AVX512-F/BW/VL/BF16, its instruction
+    self-checked), "avx2" (AVX2 + FMA, or TONP_FORCE_AVX2=1) or "portable" (no AVX2, or
+    TONP_FORCE_PORTABLE=1; both read at each call). All give the same bits."""
     require_built()
     return torch.ops.tonp.isa()
 

@@ -64,3 +64,19 @@ def test_kernel_benchmark_samples_candidates_in_turn():
     rounds = len(calls) // len(names)
     assert rounds >= 1 + 4 and len(calls) == rounds * len(names)  # the warm-up round, then >= repeat
     assert calls == names * rounds
+
+
+@pytest.mark.timeout(120)
+def test_train_bench_quick_writes_its_targets(tmp_path):
+    """benchmarks/train_bench.py (issue 20's targets) runs on the tiny model: every contender
+    timed, the ratios computed, the ISA and the six targets in the report."""
+    import train_bench
+    assert train_bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "train_quick.json").read_text())
+    assert data["isa"] in ("avx512bf16", "avx2", "portable")
+    for dt in ("fp32", "bf16"):
+        assert set(data[dt]["seconds"]) == {f"{m} {w}" for m in ("invariant", "torch")
+                                            for w in ("forward", "train", "prefill")} | {"fp32 GEMM"}
+        assert all(s > 0 for s in data[dt]["seconds"].values())
+    md = (tmp_path / "train_quick.md").read_text()
+    assert md.count("| met |") + md.count("| **NOT met** |") == 6 and data["isa"] in md

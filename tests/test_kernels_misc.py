@@ -305,19 +305,35 @@ def test_bad_inputs_raise_clear_errors(gen):
 
 
 # --- the AVX2 path against the portable scalar path ----------------------------------------------
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set:
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # not Linux: ask torch (its AVX2 level requires FMA too)
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return "avx2" in flags and "fma" in flags
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {"avx2", "fma"} if cap in ("AVX2", "AVX512") else set()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def _native_isa() -> str:
+    """The table a plain run picks: avx512bf16 where the CPU has AVX512-F/BW/VL/BF16 (its
+    instruction self-checked at load), avx2 with AVX2 + FMA, else portable."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags():
+        return "avx512bf16"
+    return "avx2" if _cpu_has_avx2_fma() else "portable"
 
 
 def test_isa_reports_the_kernel_table_in_use():
-    """tk.isa() names the table the ops run: AVX2 + FMA where the CPU has them, the portable
-    build otherwise or under TONP_FORCE_PORTABLE=1 (read at each call)."""
-    with env("TONP_FORCE_PORTABLE", None):
-        assert tk.isa() == ("avx2" if _cpu_has_avx2_fma() else "portable")
+    """tk.isa() names the table the ops run: the CPU's best build (above), AVX2 under
+    TONP_FORCE_AVX2=1, the portable build under TONP_FORCE_PORTABLE=1 (read at each call)."""
+    with env("TONP_FORCE_PORTABLE", None), env("TONP_FORCE_AVX2", None):
+        assert tk.isa() == _native_isa()
+        assert torch.ops.tonp.isa() == tk.isa()
+        if _cpu_has_avx2_fma():
+            with env("TONP_FORCE_AVX2", "1"):
+                assert tk.isa() == "avx2"
     with env("TONP_FORCE_PORTABLE", "1"):
         assert tk.isa() == "portable"
     assert torch.ops.tonp.isa() == tk.isa()
@@ -352,13 +368,19 @@ def _every_op(dtype, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_avx2_and_portable_paths_give_the_same_bits(dtype):
+    """Every build this CPU has (its native one, AVX2, portable) gives every op the same bits."""
     if not _cpu_has_avx2_fma():
         pytest.skip("this CPU has no AVX2 + FMA: the portable kernels are the only ones here")
-    with env("TONP_FORCE_PORTABLE", None):
-        assert tk.isa() == "avx2"
-        fast = _every_op(dtype, torch.Generator().manual_seed(5))
+    with env("TONP_FORCE_PORTABLE", None), env("TONP_FORCE_AVX2", None):
+        assert tk.isa() == _native_isa()
+        native = _every_op(dtype, torch.Generator().manual_seed(5))
+        with env("TONP_FORCE_AVX2", "1"):
+            assert tk.isa() == "avx2"
+            fast = _every_op(dtype, torch.Generator().manual_seed(5))
     with env("TONP_FORCE_PORTABLE", "1"):
         assert tk.isa() == "portable"
         portable = _every_op(dtype, torch.Generator().manual_seed(5))
+    for i, (a, b) in enumerate(zip(native, fast, strict=True)):
+        assert_bitwise(b, a, f"op #{i} ({dtype}) AVX2 vs {_native_isa()}")
     for i, (a, b) in enumerate(zip(fast, portable, strict=True)):
         assert_bitwise(b, a, f"op #{i} ({dtype}) portable vs AVX2")

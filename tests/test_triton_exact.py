@@ -210,3 +210,19 @@ def test_bad_inputs_raise_clear_errors(gen):
     assert linear.linear(x[:0], w).shape == (0, 8)
     b = randn(8, gen=gen)
     assert_bitwise(linear.linear(x[:, :0], w[:, :0], b), cpp_linear(x[:, :0], w[:, :0], b, 8))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow / invalid: intended
+def test_bf16_pair_chains_on_hostile_inputs_equal_cpp(gen):
+    """bf16 x bf16 (pair chains): subnormal inputs read as zero, products near FLT_MIN flushed
+    after rounding, overflow, inf, NaN and exact cancellation give the C++ bits; the twin: plain
+    fma lanes (the fp32-weight arithmetic) give other bits on the same inputs."""
+    from test_kernels_bf16dot import _hostile
+    x, w = _hostile(30, 64, gen), _hostile(37, 64, gen)
+    w[:, 1::2] = w[:, 0::2]
+    for C in (1, 4):
+        got = linear.linear(x, w, None, C, F32)
+        assert torch.equal(bits(got), bits(cpp_linear(x, w, None, C, F32))), f"chunks={C}"
+    tiny = torch.full((1, 16), 2.0 ** -70).bfloat16()  # products 2^-140: subnormal under IEEE
+    lanes = linear.linear(tiny, tiny.float(), None, 1, F32)
+    assert float(linear.linear(tiny, tiny, None, 1, F32)) == 0.0 and float(lanes) > 0.0

@@ -7,8 +7,8 @@ float64), rounds it to 24 bits with an unbounded exponent and flushes what is th
 tree8, the pairwise chunk tree, + bias, the canonical NaN, one rounding. Inputs are hostile:
 subnormal bf16, products near FLT_MIN, infinities, NaN, exact cancellation; chunks of 3, 5, 13,
 16 and 40 elements; rows across the tile; bias and both output dtypes; the fused MoE experts.
-When the C++ build runs the pair chains (the `speed` branch), the kernel's default follows it and
-tests/test_triton_exact.py compares the two directly.
+The C++ builds run the same pair chains (the kernel's default); tests/test_triton_exact.py
+compares the two directly.
 """
 from __future__ import annotations
 

@@ -29,10 +29,9 @@ from . import numerics as nm
 from ._launch import INTERPRETED, check_device, float_dtype, launch, pow2
 
 MAX_CHUNKS = 64  # as kernels.h kMaxChunks: the chunk tree keeps six pending levels
-# Whether the C++ build runs bf16 x bf16 linears by the pair chains (the `speed` branch's
-# bf16dot.h, which defines tonp::bf16_pair_step): the exact kernels follow the build they sit
-# beside, so a process never mixes two arithmetics.
-PAIR_CHAINS = hasattr(torch.ops.tonp, "bf16_pair_step")
+# bf16 x bf16 linears run the pair chains (CONTRACT.md; csrc/bf16dot.h), as every C++ build
+# does; pairs=False (the fp32 FMA lanes) exists for the tests' twins.
+PAIR_CHAINS = True
 
 
 @triton.jit

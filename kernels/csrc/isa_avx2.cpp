@@ -1,9 +1,12 @@
 // The AVX2 + FMA build of the kernels. The target pragma applies to this file only, and this
 // file includes no torch header, so no inline function compiled for AVX2 can be shared with
 // generic code. ops.cpp picks this table at run time when the CPU has AVX2 and FMA.
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <immintrin.h>
 #include "kernels.h"
 #pragma GCC target("avx2,fma")
@@ -12,7 +15,14 @@
 
 namespace tonp_avx2 {
 #include "kernels_impl.h"
-}
+#include "bf16dot.h"
+#include "gemm.h"
+
+static const tonp::Kernels kTable = {
+    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
+    log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad,
+};
+}  // namespace tonp_avx2
 
 namespace tonp {
 const Kernels* kernels_avx2() { return &tonp_avx2::kTable; }

@@ -1,16 +1,29 @@
 // The portable build of the kernels: the same source as isa_avx2.cpp with an 8-lane array in
 // place of __m256 and std::fma in place of vfmadd, so it computes identical bits (tests compare
 // the two with TONP_FORCE_PORTABLE=1).
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>  // MXCSR (bf16dot.h)
+#endif
 #include "kernels.h"
 #define TONP_AVX2 0
 #define TONP_ISA_NAME "portable"
 
 namespace tonp_portable {
 #include "kernels_impl.h"
-}
+#include "bf16dot.h"
+#include "gemm.h"
+
+static const tonp::Kernels kTable = {
+    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
+    log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad,
+};
+}  // namespace tonp_portable
 
 namespace tonp {
 const Kernels* kernels_portable() { return &tonp_portable::kTable; }

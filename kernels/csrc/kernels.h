@@ -1,6 +1,7 @@
 // The per-ISA kernel table. ops.cpp and moe_ops.cpp (the torch-facing side: checks, allocation,
 // threading) call these through `K()` (ops_common.h); isa_avx2.cpp and isa_portable.cpp each fill
-// one table from the same source (kernels_impl.h), so both give identical bits.
+// one table from the same source (kernels_impl.h, bf16dot.h), so both give identical bits;
+// isa_avx512bf16.cpp is the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (same bits).
 //
 // Threading never splits a reduction: every function below computes complete outputs (rows,
 // panels of output columns, (query, head) pairs) and ops.cpp only distributes those.
@@ -14,6 +15,9 @@ constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row 
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
+constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
+constexpr int kLaneRowsPairs = 4;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
+constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -45,6 +49,44 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
+// Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 4 rows
+// (its dot products close each output with a horizontal sum per chunk), emulated from 20 (like
+// bf16 weights on fp32 FMAs: unpacking a chunk to fp32 costs what few rows do not amortise).
+// Measured on the project's CPU; the choice never changes a bit.
+inline bool bf16_lane_passes(int64_t rows, bool hw) { return rows >= (hw ? kLaneRowsPairs : kLaneRowsPairsEmu); }
+
+// Elements of x a bf16 x bf16 linear reads per chunk: kc rounded up to the 16-element block (the
+// op zero-pads x to this chunk stride when kc is not a multiple of 16).
+inline int64_t bf16_chunk_stride(int64_t kc) { return (kc + 15) / 16 * 16; }
+
+// Scratch floats of a bf16 x bf16 linear_panel_bf16 call of at most `rows` rows: sums and chunk
+// partials of a row block, and the weights: one chunk unpacked ([pairs][odd, even][16] fp32,
+// emulated) or the panel's chunks packed ([chunks][pairs][64] 32-bit pairs, vdpbf16ps).
+constexpr int kRowBlockPairs = 384;  // rows per bf16 x bf16 linear task (the kernel blocks them by kRowBlock)
+
+// Rows per bf16 x bf16 linear task: the fewest blocks of at most kRowBlockPairs, even. A task
+// packs its panel's weights once for all its rows; only which rows share a task depends on this.
+inline int64_t bf16_row_block(int64_t M) {
+  const int64_t nb = M <= 0 ? 1 : (M + kRowBlockPairs - 1) / kRowBlockPairs;
+  return M <= 0 ? kRowBlockPairs : (M + nb - 1) / nb;
+}
+
+inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
+  const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
+  return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
+}
+
+// An operand of the backward GEMM: element (i, j) at p + i * rs + j * cs (in elements).
+struct GemmOperand {
+  const void* p;
+  int64_t rs, cs;
+  Elem e;
+};
+constexpr int64_t kGemmKc = 256;  // the backward GEMM's k block (gemm.h)
+constexpr int64_t kGemmMaxM = 768;  // rows of C per gemm call at most (the caller splits)
+// Scratch floats of a gemm call of at most kGemmMaxM rows (packed A and B blocks, any build).
+inline int64_t gemm_scratch() { return kGemmKc * 64 + (kGemmMaxM + 6) * kGemmKc; }
+
 struct Kernels {
   const char* name;
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
@@ -70,10 +112,36 @@ struct Kernels {
   // y[i] = log(x[i]) for n floats: tonp's one log (simd.h vlog; the tail through slog, the same
   // lane arithmetic), shared by logsumexp and the sampling noise.
   void (*log_n)(const float* x, float* y, int64_t n);
+  // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
+  // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
+  // otherwise as linear_panel.
+  // scratch: linear_scratch_bf16(chunks, K, rows) floats.
+  void (*linear_panel_bf16)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
+                            int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
+                            int64_t ldo, Elem oelem, float* scratch);
+  // One step of the pair chains on n lanes (acc fp32 [n], a, b bf16 [n, 2]): the unit the
+  // equality tests compare across builds and with the instruction.
+  void (*bf16_pair_step)(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n);
+  // The backward passes' GEMM (gemm.h): C[m, n] fp32 (row stride ldc) = (C if accumulate) + A B,
+  // A [m, k], B [k, n], m <= kGemmMaxM; a fixed order per call (not the forward's arithmetic).
+  // scratch: gemm_scratch() floats.
+  void (*gemm)(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc,
+               bool accumulate, float* scratch);
+  // gemm with C rounded once to bf16; k <= kGemmKc, no accumulation. scratch: gemm_scratch()
+  // + m * n floats.
+  void (*gemm_bf16out)(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, uint16_t* c,
+                       int64_t ldc, float* scratch);
+  // Gradients to bf16, round to nearest even (the backward passes' one rounding).
+  void (*grad_to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // SwiGLU's backward (gemm.h): dg, du of silu(gate) * up given dh (fp32), gate/up/dg/du in e.
+  void (*swiglu_grad)(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e);
 };
 
 const Kernels* kernels_avx2();
 const Kernels* kernels_portable();
 bool cpu_has_avx2_fma();
+// The AVX2 table with the bf16 x bf16 linear on vdpbf16ps; null unless this CPU has AVX512-BF16
+// and the instruction passed a self-check against the emulation (isa_avx512bf16.cpp).
+const Kernels* kernels_avx512bf16();
 
 }  // namespace tonp

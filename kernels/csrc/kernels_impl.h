@@ -49,6 +49,42 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // they change which outputs are computed side by side, never the FMA chains, the hsum tree or
 // the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
 // ---------------------------------------------------------------------------------------------
+// part[i] = hsum(acc[i]) for a tile's NT accumulators (hsum8: the same tree, eight at a time).
+template <int NT>
+static inline void tile_hsum(const V8* acc, float* part) {
+  for (int i = 0; i < NT; i += 8) {
+    V8 g[8];
+    for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
+    float h[8];
+    vstore(h, hsum8(g));
+    for (int j = 0; j < 8 && i + j < NT; ++j) part[i + j] = h[j];
+  }
+}
+
+// part[i] = tree8 of the eight lane values lanes[l * stride + i], i < n (lane-wise, as hsum).
+static inline void lanes_tree(const float* lanes, int64_t stride, int64_t n, float* part) {
+  for (int64_t i = 0; i < n; i += 8) {
+    auto L = [&](int l) { return vload(lanes + l * stride + i); };
+    vstore(part + i, vadd(vadd(vadd(L(0), L(1)), vadd(L(2), L(3))), vadd(vadd(L(4), L(5)), vadd(L(6), L(7)))));
+  }
+}
+
+// Row tiles of a block: f(r, integral_constant<MR>) for tiles of MAX rows from row r, then one
+// tile of the remaining rows (MAX <= 6). Only which rows share a tile depends on this.
+template <int MAX, typename F>
+static inline void for_row_tiles(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + MAX <= rows; r += MAX) f(r, std::integral_constant<int, MAX>());
+  switch (rows - r) {
+    case 5: if constexpr (MAX > 5) f(r, std::integral_constant<int, 5>()); break;
+    case 4: if constexpr (MAX > 4) f(r, std::integral_constant<int, 4>()); break;
+    case 3: if constexpr (MAX > 3) f(r, std::integral_constant<int, 3>()); break;
+    case 2: if constexpr (MAX > 2) f(r, std::integral_constant<int, 2>()); break;
+    case 1: f(r, std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
 // prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
 template <int MR, int NR, typename T>
@@ -93,14 +129,7 @@ static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t 
       }
     }
   }
-  // hsum8 gives each accumulator the same tree as hsum; eight at a time.
-  for (int i = 0; i < NT; i += 8) {
-    V8 g[8];
-    for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
-    float h[8];
-    vstore(h, hsum8(g));
-    for (int j = 0; j < 8 && i + j < NT; ++j) part[i + j] = h[j];
-  }
+  tile_hsum<NT>(acc, part);
 }
 
 // The chunk tree over C partials spaced `stride` floats apart, in place, for n consecutive
@@ -116,6 +145,14 @@ static inline void chunk_tree(float* p, int64_t stride, int chunks, int64_t n) {
     }
 }
 
+// An MR x NR tile's chunk partials part[c][r * NR + n] closed by the chunk tree, into out.
+template <int MR, int NR>
+static inline void tile_finish(float* part, int chunks, float* out, int64_t ldo) {
+  chunk_tree(part, MR * NR, chunks, MR * NR);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) out[r * ldo + n] = part[r * NR + n];
+}
+
 // All chunks of one tile, then the tree (the one-row path: the tile streams its weight rows once).
 // ldw: the stride between the tile's weight rows (two rows for a one-row call's interleaved
 // tiles, dot_tile_cols). Prefetching rows ahead pays when the tile computes more per byte (two or
@@ -129,9 +166,7 @@ static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw
   float part[tonp::kMaxChunks][NT];  // per-chunk partials of the tile's outputs
   const int64_t ahead = MR > 1 || ldw * int64_t(sizeof(T)) < 4096 ? 2 * NR : 0;
   for (int c = 0; c < chunks; ++c) dot_chunk<MR, NR, T>(x + c * kc, ldx, w + c * kc, ldw, kc, ahead, part[c]);
-  chunk_tree(&part[0][0], NT, chunks, NT);
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) out[r * ldo + n] = part[0][r * NR + n];
+  tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
 }
 
 template <int MR, typename T>
@@ -189,10 +224,7 @@ static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int6
       vstore(lanes[l] + r * kPanel + 8, acc[r][1]);
     }
   }
-  for (int i = 0; i < MR * kPanel; i += 8) {
-    auto L = [&](int l) { return vload(lanes[l] + i); };
-    vstore(part + i, vadd(vadd(vadd(L(0), L(1)), vadd(L(2), L(3))), vadd(vadd(L(4), L(5)), vadd(L(6), L(7)))));
-  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
 }
 
 // wt[k, n] = W[n, k] for the panel's ncols <= 16 weight rows and k < kc (columns past ncols
@@ -242,14 +274,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
         }
       continue;
     }
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) lane_tile<4>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel);
-    switch (rows - r) {
-      case 3: lane_tile<3>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
-      case 2: lane_tile<2>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
-      case 1: lane_tile<1>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); break;
-      default: break;
-    }
+    for_row_tiles<4>(rows, [&](int64_t r, auto mr) { lane_tile<mr()>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); });
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
@@ -259,10 +284,9 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
 template <typename T>
 static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
                         int chunks, int ncols, float* res) {
-  int64_t r = 0;
-  for (; r + 3 <= rows; r += 3) dot_tile_cols<3, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
-  if (rows - r == 2) dot_tile_cols<2, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
-  if (rows - r == 1) dot_tile_cols<1, T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
+  for_row_tiles<3>(rows, [&](int64_t r, auto mr) {
+    dot_tile_cols<mr(), T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
+  });
 }
 
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
@@ -474,6 +498,3 @@ static void log_n(const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = slog(x[i]);
 }
 
-static const tonp::Kernels kTable = {
-    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp, log_n,
-};

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe_common.h"
 #include "ops_common.h"
 
 namespace tonp {
@@ -70,14 +71,10 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
   return out;
 }
 
-// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
-// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
-// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
-// each row's bits are those of running its expert alone on it. Rows are grouped by expert
-// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
-// parallel regions per layer instead of two per expert.
-at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
-                       int64_t first_expert, int64_t chunks) {
+}  // namespace
+
+void check_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
+                   int64_t chunks) {
   TORCH_CHECK_VALUE(x_.dim() == 2, "tonp.moe_experts: x must be [M, H], got ", x_.sizes());
   TORCH_CHECK_VALUE(ids_.dim() == 2 && ids_.size(0) == x_.size(0), "tonp.moe_experts: expert ids must be [M, K] with M = ",
                     x_.size(0), ", got ", ids_.sizes());
@@ -86,29 +83,49 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
                         gu_.size(1) % 2 == 0 && dn_.size(1) == x_.size(1) && 2 * dn_.size(2) == gu_.size(1),
                     "tonp.moe_experts: expected gate_up [E, 2I, H] and down [E, H, I] with H = ", x_.size(1), ", got ",
                     gu_.sizes(), " and ", dn_.sizes());
-  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
+  elem_of(x_, "moe_experts", "x");
+  elem_of(gu_, "moe_experts", "gate_up");
   TORCH_CHECK_TYPE(dn_.scalar_type() == gu_.scalar_type(), "tonp.moe_experts: gate_up and down dtypes differ");
-  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
-  check_chunks(H, chunks, "moe_experts");
-  check_chunks(I, chunks, "moe_experts");
+  check_chunks(x_.size(1), chunks, "moe_experts");
+  check_chunks(dn_.size(2), chunks, "moe_experts");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.moe_experts: at most ", kMaxChunks, " reduction chunks, got ", chunks);
-  at::Tensor y = at::empty({M, Kk, H}, x_.options());
-  if (R == 0 || H == 0) return y;
-  // Group the rows by expert, stable: counting sort.
+}
+
+ExpertGroups group_by_expert(const at::Tensor& ids_, int64_t first_expert, int64_t E) {
   const at::Tensor ids = ids_.contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
-  std::vector<int64_t> start(E + 1, 0), order(R);
+  const int64_t R = ids.numel();
+  ExpertGroups g{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(R)};
   for (int64_t r = 0; r < R; ++r) {
     const int64_t e = idp[r] - first_expert;
     TORCH_CHECK_INDEX(e >= 0 && e < E, "tonp.moe_experts: expert id ", idp[r], " is not one of this call's experts [",
                       first_expert, ", ", first_expert + E, ")");
-    ++start[e + 1];
+    ++g.start[e + 1];
   }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t r = 0; r < R; ++r) order[fill[idp[r] - first_expert]++] = r;
-  }
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t r = 0; r < R; ++r) g.order[fill[idp[r] - first_expert]++] = r;  // stable counting sort
+  return g;
+}
+
+// All experts of one MoE layer in one call: row (m, k) of the output is expert ids[m, k] applied
+// to x[m]: down_e(silu(gate_e(x)) * up_e(x)), with the same roundings as three separate calls
+// (gate_up in x's dtype, silu_mul in x's dtype, down in x's dtype) and the same linear kernel, so
+// each row's bits are those of running its expert alone on it. Rows are grouped by expert
+// (stable), then every (expert, row block, weight panel) of a stage is one thread task: two
+// parallel regions per layer instead of two per expert. gate_up_out, when given, receives the
+// gate_up rows [R, 2I] (x's dtype, in group order) for the backward.
+at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& gu_, const at::Tensor& dn_,
+                               int64_t first_expert, int64_t chunks, at::Tensor* gate_up_out) {
+  check_experts(x_, ids_, gu_, dn_, chunks);
+  const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
+  const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
+  at::Tensor y = empty_big({M, Kk, H}, x_.options());
+  if (gate_up_out) *gate_up_out = empty_big({R, 2 * I}, x_.options());
+  if (R == 0 || H == 0) return y;
+  const ExpertGroups groups = group_by_expert(ids_, first_expert, E);
+  const std::vector<int64_t>& start = groups.start;
+  const std::vector<int64_t>& order = groups.order;
   // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows, even per expert.
   struct Blk { int64_t e, r0, rows; };
   std::vector<Blk> blks;
@@ -118,57 +135,73 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   int64_t max_rows = 0;
   for (const Blk& k : blks) max_rows = std::max(max_rows, k.rows);
   const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
-  const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2;
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor xg = at::empty({R, H}, f32), gub = at::empty({R, 2 * I}, x.options()), hf = at::empty({R, I}, f32);
-  at::Tensor ys = at::empty({R, H}, x.options());
+  // bf16 activations and weights: the pair chains (bf16dot.h) on bf16 rows, as linear runs them;
+  // otherwise fp32 FMAs on rows widened to fp32. Rows are stored with each chunk zero padded to
+  // the pair chains' 16-element blocks (a no-op stride when kc is a multiple of 16).
+  const bool pairs = xe == Elem::BF16 && we == Elem::BF16;
+  const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2, isz = pairs ? 2 : 4;
+  const int64_t xkH = pairs ? bf16_chunk_stride(H / chunks) : H / chunks, xkI = pairs ? bf16_chunk_stride(I / chunks) : I / chunks;
+  const int64_t ldH = chunks * xkH, ldI = chunks * xkI;
+  const auto in_opts = x.options().dtype(pairs ? at::kBFloat16 : at::kFloat);
+  at::Tensor xg = (ldH == H ? empty_big({R, ldH}, in_opts) : at::zeros({R, ldH}, in_opts));
+  at::Tensor hg = (ldI == I ? empty_big({R, ldI}, in_opts) : at::zeros({R, ldI}, in_opts));
+  at::Tensor gub = gate_up_out ? *gate_up_out : empty_big({R, 2 * I}, x.options()), ys = empty_big({R, H}, x.options());
   const char* xp = static_cast<const char*>(x.data_ptr());
-  float* xgp = xg.data_ptr<float>();
+  char* xgp = static_cast<char*>(xg.data_ptr());
   char* gup = static_cast<char*>(gub.data_ptr());
-  float* hfp = hf.data_ptr<float>();
+  char* hgp = static_cast<char*>(hg.data_ptr());
   char* ysp = static_cast<char*>(ys.data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
   const Kernels* kern = K();
-  // Gather the rows (exact widening to fp32, as linear does with its input).
-  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
-    for (int64_t j = b; j < en; ++j) {
-      const char* src = xp + (order[j] / Kk) * H * xsz;
-      float* dst = xgp + j * H;
-      if (xe == Elem::F32)
-        std::memcpy(dst, src, H * 4);
-      else
-        for (int64_t h = 0; h < H; ++h) dst[h] = c10::BFloat16(reinterpret_cast<const uint16_t*>(src)[h], c10::BFloat16::from_bits());
+  // A row of n elements (dtype `from`) into a gathered row with chunks of kc at stride xk.
+  auto put_row = [&](const char* src, Elem from, int64_t n, int64_t xk, char* dst) {
+    const int64_t kc = n / chunks;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (pairs || from == Elem::F32) {
+        std::memcpy(dst + c * xk * isz, src + c * kc * isz, kc * isz);
+      } else {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src) + c * kc;
+        uint32_t* d32 = reinterpret_cast<uint32_t*>(dst) + c * xk;
+        for (int64_t h = 0; h < kc; ++h) d32[h] = uint32_t(s16[h]) << 16;  // exact widening
+      }
     }
+  };
+  // Gather the rows.
+  at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
+    for (int64_t j = b; j < en; ++j) put_row(xp + (order[j] / Kk) * H * xsz, xe, H, xkH, xgp + j * ldH * isz);
   });
   // One stage: for every block, rows x (weight[e] [N, Kd] -> out [rows, N] in x's dtype).
-  auto stage = [&](const float* in, int64_t Kd, const char* w, int64_t N, char* out) {
-    const int64_t np = (N + kPanel - 1) / kPanel, ntask = int64_t(blks.size()) * np;
-    at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * kPanel), [&](int64_t b, int64_t en) {
-      const auto scratch = scratch_floats(linear_scratch(chunks, Kd, max_rows, we));
+  auto stage = [&](const char* in, int64_t ld, int64_t xk, int64_t Kd, const char* w, int64_t N, char* out) {
+    const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
+    at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
+      const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we));
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
-        const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
-        kern->linear_panel(in + k.r0 * Kd, Kd, k.rows, w + (k.e * N + p * kPanel) * Kd * wsz, Kd, we, Kd / chunks, int(chunks),
-                           nullptr, ncols, out + (k.r0 * N + p * kPanel) * xsz, N, xe, scratch.get());
+        const int ncols = int(std::min<int64_t>(pw, N - p * pw));
+        const char* wt = w + (k.e * N + p * pw) * Kd * wsz;
+        char* o = out + (k.r0 * N + p * pw) * xsz;
+        if (pairs)
+          kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, xk, k.rows,
+                                  reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
+                                  scratch.get());
+        else
+          kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
+                             nullptr, ncols, o, N, xe, scratch.get());
       }
     });
   };
-  stage(xgp, H, static_cast<const char*>(gu.data_ptr()), 2 * I, gup);
-  // silu(gate) * up in x's dtype, then widened to fp32 for the down projection.
+  stage(xgp, ldH, xkH, H, static_cast<const char*>(gu.data_ptr()), 2 * I, gup);
+  // silu(gate) * up in x's dtype, then into the down projection's input rows.
   at::parallel_for(0, R, grain_for(16 * I), [&](int64_t b, int64_t en) {
-    std::vector<uint16_t> hb(xe == Elem::BF16 ? I : 0);
+    std::vector<char> hb(I * xsz);
     for (int64_t j = b; j < en; ++j) {
       const char* row = gup + j * 2 * I * xsz;
-      if (xe == Elem::F32) {
-        kern->silu_mul(row, row + I * 4, hfp + j * I, I, xe);
-      } else {
-        kern->silu_mul(row, row + I * 2, hb.data(), I, xe);
-        for (int64_t i = 0; i < I; ++i) hfp[j * I + i] = c10::BFloat16(hb[i], c10::BFloat16::from_bits());
-      }
+      kern->silu_mul(row, row + I * xsz, hb.data(), I, xe);
+      put_row(hb.data(), xe, I, xkI, hgp + j * ldI * isz);
     }
   });
-  stage(hfp, I, static_cast<const char*>(dn.data_ptr()), H, ysp);
+  stage(hgp, ldI, xkI, I, static_cast<const char*>(dn.data_ptr()), H, ysp);
   // Back to (token, slot) order.
   at::parallel_for(0, R, grain_for(4 * H), [&](int64_t b, int64_t en) {
     for (int64_t j = b; j < en; ++j) std::memcpy(yp + order[j] * H * xsz, ysp + j * H * xsz, H * xsz);
@@ -176,6 +209,11 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   return y;
 }
 
+namespace {
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gu, const at::Tensor& dn,
+                       int64_t first_expert, int64_t chunks) {
+  return moe_experts_forward(x, ids, gu, dn, first_expert, chunks, nullptr);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) {

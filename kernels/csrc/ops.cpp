@@ -27,7 +27,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                   int64_t chunks, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "tonp.linear: x ", x_.sizes(), " and weight ",
                     w.sizes(), " do not match: expected x [M, K] and weight [N, K]");
-  elem_of(x_, "linear", "x");
+  const Elem xelem = elem_of(x_, "linear", "x");
   const Elem welem = elem_of(w, "linear", "weight");
   const at::ScalarType odt = out_dtype.value_or(x_.scalar_type());
   const Elem oelem = elem_of(odt, "linear", "out_dtype");
@@ -40,36 +40,49 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     elem_of(*bias, "linear", "bias");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x_.options().dtype(odt));
+  at::Tensor out = empty_big({M, N}, x_.options().dtype(odt));
   if (M == 0 || N == 0) return out;
   if (Kd == 0) {
     out.zero_();
     if (bias_f.defined()) out.add_(bias_f.to(odt));
     return out;
   }
-  const at::Tensor x = f32_contiguous(x_);
+  // bf16 activations and weights: the pair chains (bf16dot.h), x read as bf16; else fp32 FMAs.
+  const bool pairs = xelem == Elem::BF16 && welem == Elem::BF16;
+  const int64_t kc = Kd / chunks, xkc = pairs ? bf16_chunk_stride(kc) : kc;
+  const at::Tensor x = pairs ? pad_bf16_chunks(x_, chunks) : f32_contiguous(x_);
   // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
   // (optimizer step, .data copy, inference tensor) is always seen.
   const at::Tensor wc = w.contiguous();
-  const int64_t rb = row_block(M), kc = Kd / chunks, np = (N + kPanel - 1) / kPanel, nmb = (M + rb - 1) / rb;
-  const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2;
-  const float* xp = x.data_ptr<float>();
+  const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs ? bf16_row_block(M) : row_block(M), np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
+  const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, ldx = chunks * xkc;
+  const char* xp = static_cast<const char*>(x.data_ptr());
   const char* wp = static_cast<const char*>(wc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const Kernels* kern = K();
   // A one-row call streams its weight: from 64k multiply-adds (a 256 KB fp32 weight) a second
   // thread's bandwidth pays for its wake-up.
-  at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * kPanel, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
+  at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * pw, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
                    [&](int64_t begin, int64_t end) {
-    const auto scratch = scratch_floats(linear_scratch(chunks, Kd, std::min(rb, M), welem));
+    const int64_t rows_max = std::min(rb, M);
+    const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
+                                              : linear_scratch(chunks, Kd, rows_max, welem));
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t mb = t / np, p = t % np, r0 = mb * rb;
+      // bf16 pairs: a panel's row blocks run one after another (its packed weights come from
+      // L2 after the first); fp32: a row block's panels.
+      const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
-      const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
-      kern->linear_panel(xp + r0 * Kd, Kd, rows, wp + p * kPanel * Kd * esz, Kd, welem, kc, int(chunks),
-                         bp ? bp + p * kPanel : nullptr, ncols, op + (r0 * N + p * kPanel) * osz, N, oelem,
-                         scratch.get());
+      const int ncols = int(std::min<int64_t>(pw, N - p * pw));
+      if (pairs)
+        kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, xkc, rows,
+                                reinterpret_cast<const uint16_t*>(wp) + p * pw * Kd, Kd, kc, int(chunks),
+                                bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N, oelem,
+                                scratch.get());
+      else
+        kern->linear_panel(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, wp + p * pw * Kd * esz, Kd, welem,
+                           kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
+                           oelem, scratch.get());
     }
   });
   return out;

@@ -15,10 +15,14 @@
 namespace tonp {
 
 inline const Kernels* K() {
-  // Read at call time so tests can compare the AVX2 and the portable build in one process.
+  // Read at call time so tests can compare the builds in one process: TONP_FORCE_PORTABLE=1 (the
+  // portable build), TONP_FORCE_AVX2=1 (AVX2, bf16 x bf16 linears emulated, on an AVX512-BF16 CPU).
   const char* force = std::getenv("TONP_FORCE_PORTABLE");
   if (force && force[0] == '1') return kernels_portable();
   static const bool avx2 = cpu_has_avx2_fma();
+  static const Kernels* bf16hw = kernels_avx512bf16();
+  const char* force_avx2 = std::getenv("TONP_FORCE_AVX2");
+  if (bf16hw && !(force_avx2 && force_avx2[0] == '1')) return bf16hw;
   return avx2 ? kernels_avx2() : kernels_portable();
 }
 
@@ -50,6 +54,18 @@ inline at::Tensor f32_contiguous(const at::Tensor& t) {
   return out;
 }
 
+// A contiguous bf16 [R, K] as the bf16 x bf16 linear reads it: each of the `chunks` chunks of
+// kc = K / chunks elements zero padded to bf16_chunk_stride(kc) (x itself when kc is a multiple
+// of 16, the model's shapes; the padding only serves small test and toy shapes).
+inline at::Tensor pad_bf16_chunks(const at::Tensor& x, int64_t chunks) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t R = xc.size(0), kc = xc.size(1) / chunks, xkc = bf16_chunk_stride(kc);
+  if (xkc == kc) return xc;
+  at::Tensor out = at::zeros({R, chunks, xkc}, xc.options());
+  out.narrow(2, 0, kc).copy_(xc.view({R, chunks, kc}));
+  return out.view({R, chunks * xkc});
+}
+
 // Tasks per thread chunk so that each chunk carries at least ~256k multiply-adds: below that a
 // thread hand-off costs more than it saves. Only the split across threads depends on this,
 // never the arithmetic of an output.
@@ -65,6 +81,11 @@ inline int64_t row_block(int64_t M) {
   const int64_t rb = (M + nb - 1) / nb;
   return std::min<int64_t>(kRowBlock, (rb + 3) / 4 * 4);
 }
+
+// at::empty for the large tensors of the ops (gradients, activations): from tonp's pool of
+// blocks kept mapped between steps (big_alloc.cpp), so a training step does not fault its
+// hundreds of MB in again. Contents uninitialised, as at::empty.
+at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
 // Uninitialised scratch for one thread's share of a parallel region (the kernels write before
 // they read; a zero-filled std::vector cost a memset per call on the decode path).

@@ -1,0 +1,192 @@
+// The pair chains of bf16dot.h on the AVX512-BF16 instruction itself (isa_avx512bf16.cpp only):
+// vdpbf16ps performs one step of eight (ymm) or sixteen (zmm) lanes' chains, bit for bit the
+// emulation's step, and twice the multiply-adds per instruction of fp32 FMAs on 512-bit vectors.
+// Included after kernels_impl.h and bf16dot.h, in the same namespace.
+
+// Sixteen bf16 from p, zero past `valid` (a chunk's last block).
+static inline __m256i hw_block16(const uint16_t* p, int64_t valid) {
+  if (valid >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_maskz_loadu_epi16(__mmask16((1u << valid) - 1u), p);
+}
+
+static inline __m256 hw_step(__m256 acc, __m256i a, __m256i b) {
+  return _mm256_dpbf16_ps(acc, reinterpret_cast<__m256bh&>(a), reinterpret_cast<__m256bh&>(b));
+}
+
+// Few rows: an MR x NR tile, each output's eight lanes in one ymm (the same lanes as bf16dot.h).
+template <int MR, int NR>
+static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
+                               int chunks, float* out, int64_t ldo) {
+  constexpr int NT = MR * NR;
+  float part[tonp::kMaxChunks][NT];
+  for (int c = 0; c < chunks; ++c) {
+    __m256 acc[NT];
+    for (int i = 0; i < NT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 16) {
+      __m256i xv[MR];
+      for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * ldx + c * xkc + k));
+      for (int n = 0; n < NR; ++n) {
+        const __m256i wv = hw_block16(w + n * ldw + c * kc + k, kc - k);
+        for (int r = 0; r < MR; ++r) acc[r * NR + n] = hw_step(acc[r * NR + n], xv[r], wv);
+      }
+    }
+    V8 av[NT];
+    for (int i = 0; i < NT; ++i) av[i].v = acc[i];
+    tile_hsum<NT>(av, part[c]);
+  }
+  tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
+}
+
+template <int MR>
+static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
+                               int chunks, int ncols, float* out) {
+  constexpr int64_t ld = tonp::kPanelPairs;
+  int n = 0;
+  if (MR == 1)
+    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
+  for (; n + 4 <= ncols; n += 4) hw_dot_tile<MR, 4>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
+  for (; n < ncols; ++n) hw_dot_tile<MR, 1>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
+}
+
+// In place: r[i] dword j <- r[j] dword i (a 16 x 16 transpose of 32-bit pairs; moves, no arithmetic).
+static inline void hw_transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+    t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+    t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// wp[p * ldp + n] = the pair p of weight row n (elements 2p, 2p + 1 of the chunk; zero past kc
+// and past ncols <= 16), for the chunk's npairs = ceil(kc / 16) * 8 pairs.
+static inline void hw_pack_chunk(const uint16_t* W, int64_t ldw, int ncols, int64_t kc, uint32_t* wp, int64_t ldp) {
+  const int64_t npairs = (kc + 15) / 16 * 8;
+  for (int64_t p0 = 0; p0 < npairs; p0 += 16) {
+    __m512i r[16];
+    const int64_t valid = kc - 2 * p0;
+    const __mmask32 m = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
+    for (int n = 0; n < 16; ++n)
+      r[n] = n < ncols ? _mm512_maskz_loadu_epi16(m, W + n * ldw + 2 * p0) : _mm512_setzero_si512();
+    hw_transpose16(r);
+    for (int i = 0; i < 16 && p0 + i < npairs; ++i) _mm512_storeu_si512(wp + (p0 + i) * ldp, r[i]);
+  }
+}
+
+// Many rows: lane by lane, an outer product of MR rows and NZ x 16 columns (NZ zmm accumulators
+// per row; one pair of x broadcast per row serves NZ instructions), over the lane's pairs
+// p = l, l + 8, ...; the eight lane values of each output are then closed by tree8.
+// wp: the chunk's pairs, [pair][NZ x 16 columns]. part: [MR, kPanelPairs].
+template <int MR, int NZ>
+static inline void hw_lane_tile(const uint16_t* xc, int64_t ldx, const uint32_t* wp, int64_t npairs, float* part) {
+  constexpr int W = tonp::kPanelPairs;
+  alignas(64) float lanes[8][MR * W];
+  for (int l = 0; l < 8; ++l) {
+    __m512 acc[MR][NZ];
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < NZ; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (int64_t p = l; p < npairs; p += 8) {
+      __m512i w[NZ];
+      for (int q = 0; q < NZ; ++q) w[q] = _mm512_loadu_si512(wp + (p * NZ + q) * 16);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xc + r * ldx + 2 * p, 4);
+        const __m512i xb = _mm512_set1_epi32(pair);
+        for (int q = 0; q < NZ; ++q)
+          acc[r][q] = _mm512_dpbf16_ps(acc[r][q], reinterpret_cast<const __m512bh&>(xb), reinterpret_cast<const __m512bh&>(w[q]));
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < NZ; ++q) _mm512_store_ps(lanes[l] + r * W + q * 16, acc[r][q]);
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NZ; ++q) {
+      auto L = [&](int l) { return _mm512_load_ps(lanes[l] + r * W + q * 16); };
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L(0), L(1)), _mm512_add_ps(L(2), L(3))),
+                                     _mm512_add_ps(_mm512_add_ps(L(4), L(5)), _mm512_add_ps(L(6), L(7))));
+      _mm512_storeu_ps(part + r * W + q * 16, s);
+    }
+}
+
+template <int NZ>
+static void hw_chunk_rows(const uint16_t* xc, int64_t ldx, int64_t rows, const uint32_t* wp, int64_t npairs, float* pc) {
+  constexpr int W = tonp::kPanelPairs;
+  for_row_tiles<6>(rows, [&](int64_t r, auto mr) { hw_lane_tile<mr(), NZ>(xc + r * ldx, ldx, wp, npairs, pc + r * W); });
+}
+
+// Many rows: the panel's weights packed once, chunk by chunk (wp: [chunks][npairs][nz x 16]),
+// then rows in blocks of kRowBlock: each chunk's lane tiles, the chunk tree, the store.
+static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W, int64_t ldw,
+                            int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo, Elem oelem,
+                            float* pbuf, uint32_t* wp) {
+  constexpr int64_t WP = tonp::kPanelPairs;
+  const int64_t npairs = (kc + 15) / 16 * 8;
+  const int nz = (ncols + 15) / 16;
+  const int64_t wstride = npairs * nz * 16, osz = oelem == Elem::F32 ? 4 : 2;
+  for (int c = 0; c < chunks; ++c) {
+    // Fetch the next chunk's weights while this one is packed: a pass with no arithmetic to hide
+    // a miss (a hint; integer addresses, never faults).
+    if (c + 1 < chunks)
+      for (int n = 0; n < ncols; ++n)
+        for (int64_t k = 0; k < kc; k += 32)
+          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(W) + 2 * uintptr_t(n * ldw + (c + 1) * kc + k)));
+    for (int q = 0; q < nz; ++q)
+      hw_pack_chunk(W + q * 16 * ldw + c * kc, ldw, std::min(16, ncols - 16 * q), kc, wp + c * wstride + q * 16, nz * 16);
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += tonp::kRowBlock) {
+    const int64_t n = std::min<int64_t>(tonp::kRowBlock, rows - r0), cstride = n * WP;
+    for (int c = 0; c < chunks; ++c) {
+      const uint16_t* xc = x + r0 * ldx + c * xkc;
+      const uint32_t* wc = wp + c * wstride;
+      float* pc = pbuf + c * cstride;
+      switch (nz) {
+        case 1: hw_chunk_rows<1>(xc, ldx, n, wc, npairs, pc); break;
+        case 2: hw_chunk_rows<2>(xc, ldx, n, wc, npairs, pc); break;
+        case 3: hw_chunk_rows<3>(xc, ldx, n, wc, npairs, pc); break;
+        default: hw_chunk_rows<4>(xc, ldx, n, wc, npairs, pc); break;
+      }
+    }
+    chunk_tree(pbuf, cstride, chunks, cstride);
+    pair_store(pbuf, WP, n, ncols, bias, static_cast<char*>(out) + r0 * ldo * osz, ldo, oelem);
+  }
+}
+
+// ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns).
+static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
+                                 int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
+                                 int64_t ldo, Elem oelem, float* scratch) {
+  IeeeScope ieee;  // the trees' adds
+  constexpr int64_t WP = tonp::kPanelPairs;
+  if (tonp::bf16_lane_passes(rows, true)) {
+    float* pbuf = scratch;
+    hw_rows_blocked(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf,
+                    reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP));
+    return;
+  }
+  float* res = scratch;
+  for_row_tiles<3>(rows, [&](int64_t r, auto mr) {
+    hw_dot_cols<mr()>(x + r * ldx, ldx, xkc, W, ldw, kc, chunks, ncols, res + r * WP);
+  });
+  pair_store(res, WP, rows, ncols, bias, out, ldo, oelem);
+}
+
+static void bf16_pair_step_hw(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const int nl = int(n - i < 8 ? n - i : 8);
+    const __mmask8 m = __mmask8((1u << nl) - 1u);
+    const __m256 c = _mm256_maskz_loadu_ps(m, acc + i);
+    const __m256i av = _mm256_maskz_loadu_epi32(m, a + 2 * i), bv = _mm256_maskz_loadu_epi32(m, b + 2 * i);
+    _mm256_mask_storeu_ps(out + i, m, hw_step(c, av, bv));
+  }
+}

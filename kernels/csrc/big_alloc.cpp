@@ -1,0 +1,107 @@
+// Large tensors of the tonp ops (gradients, activations: hundreds of MB per training step) come
+// from a pool of blocks kept mapped after their tensors die, as CUDA's caching allocator keeps
+// device memory. Fresh memory costs a page fault and a zeroed page per 4 KB on first touch:
+// on the 30B-A3B layer the MoE backward spent more time there than in its GEMMs. A block is
+// reused for the next request of the same rounded size (training steps repeat their shapes);
+// new blocks are 2 MB aligned with transparent huge pages requested. Freed blocks beyond
+// TONP_POOL_MB (default 4096) of idle memory go back to the system; tonp.release_memory_pool()
+// (torch.ops.tonp.release_memory_pool) returns all idle blocks. TONP_HUGE_PAGES=0: no THP advice.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "ops_common.h"
+
+namespace tonp {
+namespace {
+
+constexpr size_t kHuge = size_t(2) << 20;   // rounding and alignment of a block
+constexpr size_t kMinBytes = size_t(4) << 20;  // smaller tensors: plain at::empty
+
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '0';
+}
+
+struct Pool {
+  std::mutex mu;
+  std::unordered_multimap<size_t, void*> idle;  // rounded size -> block
+  std::unordered_map<void*, size_t> live;       // block -> rounded size
+  size_t idle_bytes = 0;
+  const size_t cap = [] {
+    const char* v = std::getenv("TONP_POOL_MB");
+    return (v ? size_t(std::strtoull(v, nullptr, 10)) : size_t(4096)) << 20;
+  }();
+
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      auto it = idle.find(bytes);
+      if (it != idle.end()) {
+        void* p = it->second;
+        idle.erase(it);
+        idle_bytes -= bytes;
+        live[p] = bytes;
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(kHuge, bytes);
+    TORCH_CHECK(p, "tonp: out of memory allocating ", bytes, " bytes");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    static const bool no_thp = env_off("TONP_HUGE_PAGES");
+    if (!no_thp) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    std::lock_guard<std::mutex> g(mu);
+    live[p] = bytes;
+    return p;
+  }
+
+  void give_back(void* p) {
+    std::unique_lock<std::mutex> g(mu);
+    const auto it = live.find(p);
+    const size_t bytes = it->second;
+    live.erase(it);
+    if (idle_bytes + bytes <= cap) {
+      idle.emplace(bytes, p);
+      idle_bytes += bytes;
+      return;
+    }
+    g.unlock();
+    std::free(p);
+  }
+
+  void release() {
+    std::lock_guard<std::mutex> g(mu);
+    for (auto& kv : idle) std::free(kv.second);
+    idle.clear();
+    idle_bytes = 0;
+  }
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: tensors may outlive static destruction
+  return *p;
+}
+
+void release_memory_pool() { pool().release(); }
+
+}  // namespace
+
+at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  static const bool off = env_off("TONP_POOL_MB");
+  const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(c10::typeMetaToScalarType(opts.dtype()));
+  if (off || bytes < kMinBytes || !opts.device().is_cpu()) return at::empty(sizes, opts);
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = pool().take(rounded);
+  return at::from_blob(p, sizes, [](void* q) { pool().give_back(q); }, opts);
+}
+
+TORCH_LIBRARY_FRAGMENT(tonp, m) { m.def("release_memory_pool() -> ()", &release_memory_pool); }
+
+}  // namespace tonp

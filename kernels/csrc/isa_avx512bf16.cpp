@@ -1,0 +1,75 @@
+// The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h)
+// and the backward GEMM on AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own
+// function, so only the pair chains run on the new instruction, and they give the emulation's bits (checked here once, on a table of edge cases,
+// before the table is used; a CPU whose instruction disagrees keeps the AVX2 emulation).
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <immintrin.h>
+#include "kernels.h"
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
+#define TONP_AVX2 1
+#define TONP_ISA_NAME "avx512bf16"
+
+namespace tonp_avx512bf16 {
+#include "kernels_impl.h"
+#include "bf16dot.h"
+#include "bf16dot_hw.h"
+#include "gemm.h"
+#include "gemm_hw.h"
+
+// Edge cases of one step: subnormal inputs and accumulators, products and sums near FLT_MIN
+// (where tininess before and after rounding differ), cancellation, infinities, NaN.
+static bool self_check(const tonp::Kernels* emu) {
+  constexpr int n = 4096;
+  static float acc[n], got[n], want[n];
+  static uint16_t a[2 * n], b[2 * n];
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  auto next = [&]() { s ^= s << 13, s ^= s >> 7, s ^= s << 17; return s; };
+  for (int i = 0; i < n; ++i) {
+    const uint64_t r = next();
+    const int kind = i % 4;
+    auto small = [&](uint64_t v) { return uint16_t((v & 0x8000u) | ((40 + (v >> 16) % 60) << 7) | ((v >> 24) & 0x7f)); };
+    for (int j = 0; j < 2; ++j) {
+      const uint64_t v = next();
+      a[2 * i + j] = kind == 0 ? uint16_t(v) : small(v);
+      b[2 * i + j] = kind == 0 ? uint16_t(v >> 32) : small(v >> 32);
+    }
+    uint32_t cb = kind == 1 ? 0x00800000u + uint32_t(r % 64) - 32u : kind == 2 ? uint32_t(r % 0x01000000u) : uint32_t(r >> 32);
+    cb |= uint32_t(r & 0x80000000u);
+    std::memcpy(&acc[i], &cb, 4);
+  }
+  bf16_pair_step_hw(acc, a, b, got, n);
+  emu->bf16_pair_step(acc, a, b, want, n);
+  for (int i = 0; i < n; ++i)
+    if (f32_bits(got[i]) != f32_bits(want[i]) && !(got[i] != got[i] && want[i] != want[i])) return false;
+  return true;
+}
+}  // namespace tonp_avx512bf16
+
+namespace tonp {
+const Kernels* kernels_avx512bf16() {
+  static const Kernels* table = []() -> const Kernels* {
+#if defined(__x86_64__) || defined(__i386__)
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && cpu_has_avx2_fma()))
+      return nullptr;
+    if (!tonp_avx512bf16::self_check(kernels_avx2())) return nullptr;
+    static Kernels t = *kernels_avx2();
+    t.name = TONP_ISA_NAME;
+    t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
+    t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
+    t.gemm = tonp_avx512bf16::gemm_hw;
+    t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;
+    t.grad_to_bf16 = tonp_avx512bf16::grad_to_bf16_hw;
+    return &t;
+#else
+    return nullptr;
+#endif
+  }();
+  return table;
+}
+}  // namespace tonp
