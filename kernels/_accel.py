@@ -4,7 +4,8 @@ tensors through them under Triton's interpreter.
 * CUDA and NPU (torch_npu's PrivateUse1) tensors: each op of accel.registry.OPS gets, for those
   dispatch keys, a kernel that runs `registry.kernel(op)`: the exact or the fast Triton kernel
   of the calling context's numerics. The C++ autograd of the ops (csrc/autograd.cpp) sits above
-  it, as it does above the CPU kernels. Triton is imported at the first such call.
+  it, as it does above the CPU kernels. Triton is imported at the first such call. The backward
+  ops (and moe_experts_train) get device_grads.py's torch-math kernels for the same keys.
 * CPU tensors under `use(..., backend="triton")` (or TONP_ACCEL_ON_CPU=1): `on_cpu(fn)` runs the
   invariant backend's function inside a dispatch mode that sends every tonp op to the same
   Triton kernels, interpreted (TRITON_INTERPRET=1 is set before the kernels are first imported;
@@ -21,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .accel.registry import OPS
+from .device_grads import KERNELS as _GRADS
 
 DEVICE_TYPES = ("cuda", "npu")  # ROCm tensors are "cuda" too; torch_npu's device is "npu"
 _KEYS = ("CUDA", "PrivateUse1")
@@ -51,10 +53,11 @@ def _device_kernel(op: str):
 
 
 _LIB = torch.library.Library("tonp", "IMPL")  # kept alive: dropping it unregisters
-for _op in OPS:
+# The forward ops on Triton; the backward ops on torch math (device_grads.py), no Triton.
+for _op, _fn in {**{op: _device_kernel(op) for op in OPS}, **_GRADS}.items():
     for _key in _KEYS:  # once per process, even if this file is imported under a second name
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"tonp::{_op}", _key):
-            _LIB.impl(_op, _device_kernel(_op), _key)
+            _LIB.impl(_op, _fn, _key)
 
 
 class _TritonOnCPU(TorchDispatchMode):
