@@ -27,7 +27,8 @@ TORCH_LIBRARY(tonp, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("moe_experts_backward(Tensor grad, Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
-  // The kernel table this process uses: "avx2" or "portable" (TONP_FORCE_PORTABLE=1, or no AVX2).
+  // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
+  // (TONP_FORCE_PORTABLE=1, or no AVX2).
   m.def("isa() -> str", [] { return std::string(tonp::K()->name); });
 }
 
