@@ -7,7 +7,7 @@
     y_gpu = tk.linear(x.cuda(), w.cuda())    # the Triton kernels: the same bits as y
     with tk.use("invariant", numerics="fast"):   # tensor-core kernels where they exist
         y_fast = tk.linear(x.cuda(), w.cuda())
-        tk.isa()                                 # "avx512bf16", "avx2" or "portable": the table in use
+    tk.isa()                                 # "avx512bf16", "avx2" or "portable": the table in use
 
 docs/CONTRACT.md is the numerics contract, docs/kernels.md how the package meets it,
 docs/accelerators.md the Triton kernels;
