@@ -15,14 +15,7 @@
 #define TONP_ISA_NAME "portable"
 
 namespace tonp_portable {
-#include "kernels_impl.h"
-#include "bf16dot.h"
-#include "gemm.h"
-
-static const tonp::Kernels kTable = {
-    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
-    log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad,
-};
+#include "isa_build.h"
 }  // namespace tonp_portable
 
 namespace tonp {

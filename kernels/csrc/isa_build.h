@@ -1,0 +1,10 @@
+// One ISA build of the kernels and its table kTable. Included once, inside the build's own
+// namespace (isa_avx2.cpp, isa_portable.cpp), after TONP_AVX2 and TONP_ISA_NAME are defined.
+#include "kernels_impl.h"
+#include "bf16dot.h"
+#include "gemm.h"
+
+static const tonp::Kernels kTable = {
+    TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
+    log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad,
+};
