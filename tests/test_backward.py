@@ -135,6 +135,23 @@ def test_moe_route_and_combine(normalize, gen):
                        dtype, "moe_combine")
 
 
+# --- embedding ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_lookup(dtype, gen):
+    """The token embedding's gradient (tonp::embedding_backward): repeated ids summed, unused rows
+    zero, the forward index_select's bits; a bad id is an error naming it."""
+    from tonp_models.layers.embedding import select_rows
+    ids = torch.tensor([3, 0, 3, 7, 3, 0, 11])                      # rows 1, 2, 4.. never used
+    w = randn(13, 40, dtype=dtype, gen=gen)
+    run_everywhere(lambda a: select_rows(a, ids), lambda a: a.index_select(0, ids), [w],
+                   randn(7, 40, dtype=dtype, gen=gen), dtype, "embedding")
+    assert_bitwise(select_rows(w.requires_grad_(), ids).detach(), w.detach().index_select(0, ids), "forward")
+    gw, = grads_of(lambda a: select_rows(a, ids), [w], randn(7, 40, dtype=dtype, gen=gen))
+    assert not gw[[1, 2, 4, 12]].any() and gw[3].any()
+    with pytest.raises(IndexError, match="id 13 at 1 is outside"):
+        torch.ops.tonp.embedding_backward(randn(2, 40, gen=gen), torch.tensor([0, 13]), 13)
+
+
 # --- attention ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_varlen(dtype, gen):
