@@ -68,24 +68,35 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& g_, const Tensor& x_,
   with_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T *xp = x.data_ptr<T>(), *gp = g.data_ptr<T>();
+    T* gxp = want[0] ? gx.data_ptr<T>() : nullptr;
+    float* gwp = want[1] ? gwr.data_ptr<float>() : nullptr;
+    const int64_t H8 = H / 8 * 8;
     at::parallel_for(0, M, grain_for(8 * H), [&](int64_t b, int64_t e) {
       std::vector<float> xh(H), gh(H);
+      float* xv = xh.data();
+      float* gv = gh.data();
       for (int64_t m = b; m < e; ++m) {
         const T *xr = xp + m * H, *gr = gp + m * H;
-        float ss[8] = {0};
-        for (int64_t j = 0; j < H; ++j) xh[j] = float(xr[j]), ss[j % 8] += xh[j] * xh[j];
+        // Element j goes to lane j % 8: blocks of eight independent lanes (the compiler's vectors).
+        float ss[8] = {0}, dot[8] = {0};
+        for (int64_t j = 0; j < H; ++j) xv[j] = float(xr[j]), gv[j] = float(gr[j]);
+        for (int64_t j = 0; j < H8; j += 8)
+          for (int l = 0; l < 8; ++l) ss[l] += xv[j + l] * xv[j + l];
+        for (int64_t j = H8; j < H; ++j) ss[j - H8] += xv[j] * xv[j];
         const float r = 1.f / std::sqrt(lanes_sum(ss) / float(H) + float(eps));
-        float dot[8] = {0};
-        for (int64_t j = 0; j < H; ++j) {
-          xh[j] = xh[j] * r;
-          gh[j] = float(gr[j]) * wp[j];
-          dot[j % 8] += gh[j] * xh[j];
+        if (want[1]) {
+          float* o = gwp + m * H;
+          for (int64_t j = 0; j < H; ++j) xv[j] = xv[j] * r, o[j] = gv[j] * xv[j];
+        } else {
+          for (int64_t j = 0; j < H; ++j) xv[j] = xv[j] * r;
         }
+        for (int64_t j = 0; j < H; ++j) gv[j] = gv[j] * wp[j];
+        for (int64_t j = 0; j < H8; j += 8)
+          for (int l = 0; l < 8; ++l) dot[l] += gv[j + l] * xv[j + l];
+        for (int64_t j = H8; j < H; ++j) dot[j - H8] += gv[j] * xv[j];
         const float mean = lanes_sum(dot) / float(H);
         if (want[0])
-          for (int64_t j = 0; j < H; ++j) gx.data_ptr<T>()[m * H + j] = T(r * (gh[j] - xh[j] * mean));
-        if (want[1])
-          for (int64_t j = 0; j < H; ++j) gwr.data_ptr<float>()[m * H + j] = float(gr[j]) * xh[j];
+          for (int64_t j = 0; j < H; ++j) gxp[m * H + j] = T(r * (gv[j] - xv[j] * mean));
       }
     });
   });
