@@ -152,6 +152,17 @@ def test_embedding_lookup(dtype, gen):
         torch.ops.tonp.embedding_backward(randn(2, 40, gen=gen), torch.tensor([0, 13]), 13)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+def test_token_logprobs(temperature, dtype, gen):
+    """The training path's logprobs (lse + gather under one autograd node): the gradient of the
+    selected log-softmax entries, [S, L, V] logits with repeated targets."""
+    x, t = randn(2, 9, 64, dtype=dtype, gen=gen, scale=3.0), torch.randint(0, 64, (2, 9), generator=gen)
+    run_everywhere(lambda a: tk.token_logprobs(a, t, temperature=temperature),
+                   lambda a: reference.token_logprobs(a, t, temperature), [x], randn(2, 9, gen=gen),
+                   dtype, f"token_logprobs T={temperature}")
+
+
 # --- attention ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_varlen(dtype, gen):
