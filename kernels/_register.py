@@ -137,6 +137,11 @@ def _(grad, weights, expert_out, output_mask):
                  for t, want in zip((weights, expert_out), output_mask))
 
 
+@torch.library.register_fake(_lib + "embedding_backward")
+def _(grad, ids, num_rows):
+    return grad.new_empty((num_rows, grad.shape[-1]))
+
+
 @torch.library.register_fake(_lib + "rope")
 def _(x, cos, sin, positions):
     return torch.empty_like(x)

@@ -129,13 +129,37 @@ def token_logprobs(logits, targets, temperature, chunks):
         return _TOKEN_LOGPROBS(logits, targets, temperature, chunks)  # the rollout: one fused op
     opcheck.vocab("token_logprobs", logits, chunks)
     opcheck.targets("token_logprobs", logits, targets)
-    if (torch.is_grad_enabled() and logits.requires_grad) or torch.compiler.is_compiling():
-        # Training: lse + gather + subtraction under autograd (the same bits as the fused op).
+    if torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
+        return _TokenLogprobs.apply(logits, targets, temperature, chunks)
+    if torch.compiler.is_compiling():
+        # Traced: lse + gather + subtraction under autograd (the same bits as the fused op).
         lse = _lse("token_logprobs", logits, temperature, chunks, softmax=True)
         return gather_logit(logits, targets, temperature) - lse
     V = logits.shape[-1]
     out = _TOKEN_LOGPROBS(logits.reshape(-1, V), targets.reshape(-1), temperature, chunks)
     return out.reshape(targets.shape)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Training: lse + gather + subtraction (the fused op's bits); the backward in one buffer,
+    d lp / dx_v = ([v == target] - exp(x_v / T - lse)) / T (the row's own lse, no softmax)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunks):
+        lse = _lse("token_logprobs", logits, temperature, chunks, softmax=True)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return gather_logit(logits, targets, temperature) - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        T = ctx.temperature
+        x = logits.float()
+        p = torch.sub(x / T if T != 1.0 else x, lse.unsqueeze(-1)).exp_()
+        g = grad.float() / T if T != 1.0 else grad.float()
+        p.mul_(g.neg().unsqueeze(-1)).scatter_add_(-1, targets.long().unsqueeze(-1), g.unsqueeze(-1))
+        return p.to(logits.dtype), None, None, None
 
 
 def argmax(logits):

@@ -135,6 +135,34 @@ def test_moe_route_and_combine(normalize, gen):
                        dtype, "moe_combine")
 
 
+# --- embedding ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_lookup(dtype, gen):
+    """The token embedding's gradient (tonp::embedding_backward): repeated ids summed, unused rows
+    zero, the forward index_select's bits; a bad id is an error naming it."""
+    from tonp_models.layers.embedding import select_rows
+    ids = torch.tensor([3, 0, 3, 7, 3, 0, 11])                      # rows 1, 2, 4.. never used
+    w = randn(13, 40, dtype=dtype, gen=gen)
+    run_everywhere(lambda a: select_rows(a, ids), lambda a: a.index_select(0, ids), [w],
+                   randn(7, 40, dtype=dtype, gen=gen), dtype, "embedding")
+    assert_bitwise(select_rows(w.requires_grad_(), ids).detach(), w.detach().index_select(0, ids), "forward")
+    gw, = grads_of(lambda a: select_rows(a, ids), [w], randn(7, 40, dtype=dtype, gen=gen))
+    assert not gw[[1, 2, 4, 12]].any() and gw[3].any()
+    with pytest.raises(IndexError, match="id 13 at 1 is outside"):
+        torch.ops.tonp.embedding_backward(randn(2, 40, gen=gen), torch.tensor([0, 13]), 13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+def test_token_logprobs(temperature, dtype, gen):
+    """The training path's logprobs (lse + gather under one autograd node): the gradient of the
+    selected log-softmax entries, [S, L, V] logits with repeated targets."""
+    x, t = randn(2, 9, 64, dtype=dtype, gen=gen, scale=3.0), torch.randint(0, 64, (2, 9), generator=gen)
+    run_everywhere(lambda a: tk.token_logprobs(a, t, temperature=temperature),
+                   lambda a: reference.token_logprobs(a, t, temperature), [x], randn(2, 9, gen=gen),
+                   dtype, f"token_logprobs T={temperature}")
+
+
 # --- attention ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_varlen(dtype, gen):

@@ -7,8 +7,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -66,24 +68,35 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& g_, const Tensor& x_,
   with_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T *xp = x.data_ptr<T>(), *gp = g.data_ptr<T>();
+    T* gxp = want[0] ? gx.data_ptr<T>() : nullptr;
+    float* gwp = want[1] ? gwr.data_ptr<float>() : nullptr;
+    const int64_t H8 = H / 8 * 8;
     at::parallel_for(0, M, grain_for(8 * H), [&](int64_t b, int64_t e) {
       std::vector<float> xh(H), gh(H);
+      float* xv = xh.data();
+      float* gv = gh.data();
       for (int64_t m = b; m < e; ++m) {
         const T *xr = xp + m * H, *gr = gp + m * H;
-        float ss[8] = {0};
-        for (int64_t j = 0; j < H; ++j) xh[j] = float(xr[j]), ss[j % 8] += xh[j] * xh[j];
+        // Element j goes to lane j % 8: blocks of eight independent lanes (the compiler's vectors).
+        float ss[8] = {0}, dot[8] = {0};
+        for (int64_t j = 0; j < H; ++j) xv[j] = float(xr[j]), gv[j] = float(gr[j]);
+        for (int64_t j = 0; j < H8; j += 8)
+          for (int l = 0; l < 8; ++l) ss[l] += xv[j + l] * xv[j + l];
+        for (int64_t j = H8; j < H; ++j) ss[j - H8] += xv[j] * xv[j];
         const float r = 1.f / std::sqrt(lanes_sum(ss) / float(H) + float(eps));
-        float dot[8] = {0};
-        for (int64_t j = 0; j < H; ++j) {
-          xh[j] = xh[j] * r;
-          gh[j] = float(gr[j]) * wp[j];
-          dot[j % 8] += gh[j] * xh[j];
+        if (want[1]) {
+          float* o = gwp + m * H;
+          for (int64_t j = 0; j < H; ++j) xv[j] = xv[j] * r, o[j] = gv[j] * xv[j];
+        } else {
+          for (int64_t j = 0; j < H; ++j) xv[j] = xv[j] * r;
         }
+        for (int64_t j = 0; j < H; ++j) gv[j] = gv[j] * wp[j];
+        for (int64_t j = 0; j < H8; j += 8)
+          for (int l = 0; l < 8; ++l) dot[l] += gv[j + l] * xv[j + l];
+        for (int64_t j = H8; j < H; ++j) dot[j - H8] += gv[j] * xv[j];
         const float mean = lanes_sum(dot) / float(H);
         if (want[0])
-          for (int64_t j = 0; j < H; ++j) gx.data_ptr<T>()[m * H + j] = T(r * (gh[j] - xh[j] * mean));
-        if (want[1])
-          for (int64_t j = 0; j < H; ++j) gwr.data_ptr<float>()[m * H + j] = float(gr[j]) * xh[j];
+          for (int64_t j = 0; j < H; ++j) gxp[m * H + j] = T(r * (gv[j] - xv[j] * mean));
       }
     });
   });
@@ -191,6 +204,56 @@ std::tuple<Tensor, Tensor> moe_combine_backward(const Tensor& g_, const Tensor& 
   return {want[0] ? gw.to(w_.scalar_type()) : gw, want[1] ? gy.to(y_.scalar_type()) : gy};
 }
 
+// --- embedding: y = weight[ids]; dweight[v] = sum of the gradient rows whose id is v -------------
+// Each row of the [num_rows, H] gradient is written once, by one thread: zeros where no id points,
+// else the fp32 sum of its gradient rows in their order, rounded once (no zero-filled buffer, no
+// scatter). ids are grouped per row by a stable counting sort first.
+Tensor embedding_backward(const Tensor& g_, const Tensor& ids_, int64_t num_rows) {
+  TORCH_CHECK(g_.dim() >= 1 && ids_.numel() * (g_.dim() ? g_.size(-1) : 0) == g_.numel(),
+              "tonp::embedding_backward: grad ", g_.sizes(), " does not match ids ", ids_.sizes());
+  const Tensor ids = ids_.to(at::kLong).contiguous().view(-1);
+  const int64_t N = ids.numel(), H = g_.size(-1);
+  const Tensor g = g_.contiguous().view({N, H});
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(num_rows + 1, 0), order(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < num_rows, "tonp::embedding_backward: id ", ip[i], " at ", i,
+                " is outside [0, ", num_rows, ")");
+    ++start[ip[i] + 1];
+  }
+  for (int64_t v = 0; v < num_rows; ++v) start[v + 1] += start[v];
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < N; ++i) order[next[ip[i]]++] = i;
+  }
+  Tensor out = empty_big({num_rows, H}, g.options());
+  with_type(g, [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = g.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, num_rows, grain_for(H), [&](int64_t b, int64_t e) {
+      std::vector<float> acc(H);
+      for (int64_t v = b; v < e; ++v) {
+        T* o = op + v * H;
+        const int64_t s0 = start[v], s1 = start[v + 1];
+        if (s0 == s1) {
+          std::memset(static_cast<void*>(o), 0, sizeof(T) * H);
+        } else if (s1 - s0 == 1) {
+          std::memcpy(static_cast<void*>(o), gp + order[s0] * H, sizeof(T) * H);
+        } else {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t s = s0; s < s1; ++s) {
+            const T* r = gp + order[s] * H;
+            for (int64_t j = 0; j < H; ++j) acc[j] += float(r[j]);
+          }
+          for (int64_t j = 0; j < H; ++j) o[j] = T(acc[j]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tonp, m) {
@@ -202,6 +265,7 @@ TORCH_LIBRARY_FRAGMENT(tonp, m) {
   m.def("moe_route_backward(Tensor grad_weights, Tensor router_logits, Tensor expert_ids, Tensor weights, "
         "bool normalize) -> Tensor");
   m.def("moe_combine_backward(Tensor grad, Tensor weights, Tensor expert_out, bool[2] output_mask) -> (Tensor, Tensor)");
+  m.def("embedding_backward(Tensor grad, Tensor ids, int num_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) {
@@ -211,6 +275,7 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("rope_backward", &rope_backward);
   m.impl("moe_route_backward", &moe_route_backward);
   m.impl("moe_combine_backward", &moe_combine_backward);
+  m.impl("embedding_backward", &embedding_backward);
 }
 
 }  // namespace tonp

@@ -49,12 +49,12 @@ class Embedding(nn.Module):
         rows [n, H] (the sum over vocab shards as a reduce-scatter: exact all the same)."""
         flat = ids.reshape(-1)
         if self.tp_size == 1:
-            return self.weight.index_select(0, flat).view(*ids.shape, self.weight.shape[-1])
+            return select_rows(self.weight, flat).view(*ids.shape, self.weight.shape[-1])
         from tonp_parallel import reduce_from_region
         from .probe import probe
         local = flat - self.vocab_start
         foreign = (local < 0) | (local >= self.local_vocab)
-        rows = self.weight.index_select(0, local.clamp(0, self.local_vocab - 1))  # (N, H)
+        rows = select_rows(self.weight, local.clamp(0, self.local_vocab - 1))          # (N, H)
         rows = rows.masked_fill(foreign.unsqueeze(1), 0.0)
         # One non-zero addend per element: the fp32 sum is exact, then the cast is too.
         if sp is not None and sp.size > 1:
@@ -62,6 +62,28 @@ class Embedding(nn.Module):
         y = reduce_from_region(rows.float(), self.tp_group)
         probe("reduce", y, kind="collective")
         return y.to(self.weight.dtype).view(*ids.shape, self.weight.shape[-1])
+
+
+def select_rows(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """weight.index_select(0, flat) (its bits: a copy); under autograd on the CPU the gradient
+    comes from tonp::embedding_backward (each row written once: no zero-filled buffer, no
+    scatter). The token embedding's lookup, and the scoring's choice of the predicting rows."""
+    if torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu":
+        return _Lookup.apply(weight, flat)
+    return weight.index_select(0, flat)
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, flat):
+        ctx.save_for_backward(flat)
+        ctx.rows = weight.shape[0]
+        return weight.index_select(0, flat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, = ctx.saved_tensors
+        return torch.ops.tonp.embedding_backward(grad, flat, ctx.rows), None
 
 
 class LMHead(nn.Module):

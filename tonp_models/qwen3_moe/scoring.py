@@ -23,6 +23,8 @@ import tonp_kernels as tk
 from tonp_parallel.context import positions_of
 from tonp_parallel.pipeline import PipeComm, micro_batch_bounds, run_1f1b, run_forward
 
+from ..layers.embedding import select_rows
+
 
 @dataclass
 class StepResult:
@@ -87,7 +89,7 @@ class _Plan:
         sp = self.ctx["sp"]
         if sp is not None:
             h = sp.gather(h, sum_grads=False)                                      # (T_loc, H)
-        h = model.norm(h.index_select(0, self.pred))                               # (R_loc, H)
+        h = model.norm(select_rows(h, self.pred))                                  # (R_loc, H)
         # The LM head scores its vocab shard and finishes the vocab tree across TP ranks.
         lp = model.lm_head.token_logprobs(h, self.targets, temperature=temperature)
         if self.split is None:
