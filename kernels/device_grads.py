@@ -228,8 +228,25 @@ def attention_varlen_backward(grad, q, k, v, out, cu_seqlens, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def embedding_backward(grad, ids, num_rows):
+    """The rows' gradient [num_rows, H] in grad's dtype: per row the fp32 sum of its ids' grads
+    in id order (a segment sum over the stably sorted ids: no atomics), zeros where unused."""
+    H = grad.shape[-1]
+    flat = ids.reshape(-1).long()
+    if grad.numel() != flat.numel() * H:
+        raise ValueError(f"tonp::embedding_backward: grad {tuple(grad.shape)} does not match ids "
+                         f"{tuple(ids.shape)}")
+    if flat.numel() and not bool(((flat >= 0) & (flat < num_rows)).all()):
+        raise IndexError(f"tonp::embedding_backward: an id is outside [0, {num_rows})")
+    order = torch.sort(flat, stable=True).indices
+    rows = grad.reshape(-1, H).float().index_select(0, order)
+    counts = torch.bincount(flat, minlength=num_rows)
+    out = torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
+    return out.to(grad.dtype)
+
+
 # op -> its device-generic kernel (schema arguments in order, the C++ op's outputs).
 KERNELS: Dict[str, Callable] = {fn.__name__: fn for fn in (
     linear_backward, rms_norm_backward, silu_mul_backward, rope_backward, moe_route_backward,
     moe_combine_backward, moe_experts_train, moe_experts_grad, moe_experts_backward,
-    attention_varlen_backward)}
+    attention_varlen_backward, embedding_backward)}

@@ -49,7 +49,7 @@ def test_every_op_with_a_cpu_kernel_has_cuda_and_npu_kernels():
     cpu = {r[6:] for r in torch._C._dispatch_get_registrations_for_dispatch_key("CPU")
            if r.startswith("tonp::")}
     grads = {op for op in cpu if op.endswith(("_backward", "_grad"))} | {"moe_experts_train"}
-    assert grads <= set(dg.KERNELS) and len(grads) == 10, sorted(grads)
+    assert grads <= set(dg.KERNELS) and len(grads) == len(dg.KERNELS), sorted(grads)
     for op in sorted(cpu - CPU_ONLY):
         for key in ("CUDA", "PrivateUse1"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"tonp::{op}", key), (op, key)
@@ -173,6 +173,17 @@ def test_against_float64_autograd_of_the_reference(gen):
             _autograd64(lambda a, b: reference.rms_norm(a, b, 1e-6), [x, w], g), "rms_norm")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_backward(dtype, gen):
+    """Repeated, unused and single ids, a [B, L] id tensor; and a bad id named."""
+    ids = torch.tensor([[3, 0, 3, 7], [3, 9, 0, 2]])
+    g = randn(2, 4, 24, gen=gen).to(dtype)
+    out = both("embedding_backward", g, ids, 12, what=str(dtype))
+    assert not out[[1, 4, 5, 6, 8, 10, 11]].any()
+    with pytest.raises(IndexError, match="outside"):
+        dg.embedding_backward(g, ids, 9)
+
+
 def test_bad_input_is_named(gen):
     x, ids, gu, dn, g = _experts(torch.float32, gen)
     with pytest.raises(IndexError, match="expert id 1 is not one of this call's experts"):
@@ -219,7 +230,7 @@ def test_a_training_step_with_the_generic_backward(dtype):
     got = step(mode)
     assert {"linear_backward", "rms_norm_backward", "silu_mul_backward", "rope_backward",
             "moe_route_backward", "moe_combine_backward", "moe_experts_train", "moe_experts_grad",
-            "attention_varlen_backward"} <= set(mode.calls), mode.calls
+            "attention_varlen_backward", "embedding_backward"} <= set(mode.calls), mode.calls
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for n, e in want.items():
         scale = float(e.double().abs().max()) or 1.0

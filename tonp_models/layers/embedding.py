@@ -65,10 +65,11 @@ class Embedding(nn.Module):
 
 
 def select_rows(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """weight.index_select(0, flat) (its bits: a copy); under autograd on the CPU the gradient
-    comes from tonp::embedding_backward (each row written once: no zero-filled buffer, no
-    scatter). The token embedding's lookup, and the scoring's choice of the predicting rows."""
-    if torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu":
+    """weight.index_select(0, flat) (its bits: a copy); under autograd the gradient comes from
+    tonp::embedding_backward (each row written once: no zero-filled buffer, no scatter; on
+    accelerators a segment sum). The token embedding's lookup, and the scoring's choice of the
+    predicting rows."""
+    if torch.is_grad_enabled() and weight.requires_grad:
         return _Lookup.apply(weight, flat)
     return weight.index_select(0, flat)
 
