@@ -215,6 +215,18 @@ def test_moe_experts_no_rows_and_one_expert_beyond_a_tile(gen):
     assert gx.shape == (0, H) and not ggu.any() and not gdn.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts_weight_gradient_tiles_of_a_megabyte(dtype, gen):
+    """Weight-gradient tiles of 1 MB or more (384 rows x 1408 or 1440 columns): the AVX-512 GEMM
+    streams them past the caches in whole lines; H = 1440 ends in a half strip of 32 columns."""
+    H, I, E = 1440, 1408, 2
+    gu = randn(E, 2 * I, H, dtype=dtype, gen=gen, scale=H ** -0.5)
+    dn = randn(E, H, I, dtype=dtype, gen=gen, scale=I ** -0.5)
+    x, ids, g = randn(6, H, dtype=dtype, gen=gen), _routes(6, E, 2, gen), randn(6, 2, H, dtype=dtype, gen=gen)
+    run_everywhere(lambda a, b, c: tk.moe_experts(a, ids, b, c), lambda a, b, c: reference.moe_experts(a, ids, b, c),
+                   [x, gu, dn], g, dtype, "moe_experts, 1 MB weight-gradient tiles")
+
+
 def test_the_experts_backward_ops_agree(gen):
     """moe_experts_backward (recomputes the gate_up rows) equals moe_experts_grad given them."""
     H, I, E = 64, 32, 4

@@ -1,6 +1,7 @@
 // The backward GEMM (gemm.h) on AVX-512 (isa_avx512bf16.cpp only): 6 x 64 zmm micro tiles, fp32
 // FMAs, or vdpbf16ps when A and B are both bf16 (products exact, sums fp32; subnormals flushed,
-// which gradients never notice). A fixed order per call, as gemm.h.
+// which gradients never notice). A fixed order per call, as gemm.h. A block of 1 MB or more written
+// once (a weight gradient tile) goes out in non-temporal stores: no read for ownership of its lines.
 
 // Columns j0.. (<= 64) of B's rows k0..: fp32 bp[kk][64], or bf16 pairs bp32[p][64] (rows 2p, 2p+1).
 static void gh_pack_b(const tonp::GemmOperand& b, int64_t k0, int64_t kc, int64_t j0, int nj, void* out, bool pairs) {
@@ -79,7 +80,8 @@ static void gh_pack_a(const tonp::GemmOperand& a, int64_t i0, int nr, int64_t k0
 }
 
 template <bool PAIRS, bool BF16OUT>
-static void gh_micro(const void* apv, const void* bpv, int64_t steps, void* cv, int64_t ldc, int nr, int nj, bool accumulate) {
+static void gh_micro(const void* apv, const void* bpv, int64_t steps, void* cv, int64_t ldc, int nr, int nj, bool accumulate,
+                     bool stream) {
   __m512 acc[kGemmMr][4];
   for (int r = 0; r < kGemmMr; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -104,6 +106,19 @@ static void gh_micro(const void* apv, const void* bpv, int64_t steps, void* cv, 
         for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_fmadd_ps(av, b[q], acc[r][q]);
       }
     }
+  }
+  if (stream && nj == 64) {  // whole cache lines the caches will not see again: no read for ownership
+    for (int r = 0; r < nr; ++r)
+      for (int q = 0; q < 4; q += BF16OUT ? 2 : 1) {
+        if (BF16OUT) {
+          const __m512bh v = _mm512_cvtne2ps_pbh(acc[r][q + 1], acc[r][q]);
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(static_cast<uint16_t*>(cv) + r * ldc + q * 16),
+                              reinterpret_cast<const __m512i&>(v));
+        } else {
+          _mm512_stream_ps(static_cast<float*>(cv) + r * ldc + q * 16, acc[r][q]);
+        }
+      }
+    return;
   }
   for (int r = 0; r < nr; ++r)
     for (int q = 0; q < 4 && q * 16 < nj; ++q) {
@@ -134,6 +149,10 @@ static void gemm_hw_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b,
     return;
   }
   const bool pairs = a.e == Elem::BF16 && b.e == Elem::BF16;
+  // A large block written once (a weight gradient): streamed past the caches in whole lines.
+  const int64_t cb = BF16OUT ? 2 : 4;
+  const bool stream = !accumulate && k <= tonp::kGemmKc && m * n * cb >= (int64_t(1) << 20) && (ldc * cb) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(cv) % 64 == 0;
   float* bp = scratch;                       // [kGemmKc][64] fp32, or [kGemmKc / 2][64] pairs
   float* ap = scratch + tonp::kGemmKc * 64;  // [row tiles][kGemmKc][6] fp32, or [row tiles][kGemmKc / 2][6] pairs
   for (int64_t k0 = 0; k0 < k; k0 += tonp::kGemmKc) {
@@ -148,12 +167,13 @@ static void gemm_hw_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b,
         const int nr = int(std::min<int64_t>(kGemmMr, m - i0));
         void* ct = BF16OUT ? static_cast<void*>(static_cast<uint16_t*>(cv) + i0 * ldc + j0) : c + i0 * ldc + j0;
         if (pairs)
-          gh_micro<true, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc);
+          gh_micro<true, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc, stream);
         else
-          gh_micro<false, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc);
+          gh_micro<false, BF16OUT>(ap + i0 * steps, bp, steps, ct, ldc, nr, nj, acc, stream);
       }
     }
   }
+  if (stream) _mm_sfence();
 }
 
 static void gemm_hw(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k, float* c,
