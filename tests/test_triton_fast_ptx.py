@@ -21,6 +21,7 @@ def test_fast_kernels_compile_to_one_tensor_core_kernel_for_any_row_count():
                           env=_compile_mode_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " 0 problems" in proc.stdout, proc.stdout + proc.stderr
     assert "m64n64k16" in proc.stdout  # the bf16 linear's wgmma shape, for every row count
+    assert "moe_experts_grad bf16  _weight_kernel" in proc.stdout  # the experts' backward too
 
 
 def test_a_row_specialized_kernel_gets_two_keys(tmp_path):

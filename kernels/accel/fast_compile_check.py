@@ -32,7 +32,8 @@ from . import _launch
 
 OPTIONS = ("num_warps", "num_stages")
 MATMUL = ("_fast_linear_kernel", "_fast_attention_kernel")
-FAST = MATMUL + ("_finish_kernel",)  # the exact kernels the fast ops call: compile_check.py
+GRADS = ("_rows_kernel", "_weight_kernel")  # the experts' backward (moe_grad.py)
+FAST = MATMUL + GRADS + ("_finish_kernel",)  # the exact kernels the fast ops call: compile_check.py
 _WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)")
 
 
@@ -48,7 +49,7 @@ def record(fn) -> list:
 
 def _cases():
     """name -> (small call, large call): the calls whose matmul kernels must be one kernel."""
-    from . import fast_attention as fa, fast_linear as fl, fast_moe as fm
+    from . import fast_attention as fa, fast_linear as fl, fast_moe as fm, moe_grad as mg
 
     g = torch.Generator().manual_seed(0)
 
@@ -75,12 +76,22 @@ def _cases():
         return lambda: fa.attention_paged(q, kc, kc, table, torch.tensor([0]), torch.tensor([299]),
                                           D ** -0.5)
 
+    def moe_grad(rows, dt):  # gate_up_out given: only the backward's own launches recorded
+        gu = torch.randn(8, 256, 512, generator=g).to(dt)
+        dn = torch.randn(8, 512, 128, generator=g).to(dt)
+        ids = torch.randint(0, 8, (rows, 2), generator=g)
+        grad, x = torch.randn(rows, 2, 512, generator=g), torch.randn(rows, 512, generator=g)
+        gub = torch.randn(2 * rows, 256, generator=g).to(dt)
+        return lambda: mg.moe_experts_grad(grad.to(dt), x.to(dt), ids, gu, dn, gub, 0, 8, [True] * 3)
+
     return {"linear bf16": (linear(1, torch.bfloat16), linear(4096, torch.bfloat16)),
             "linear fp32 (tf32)": (linear(1, torch.float32), linear(4096, torch.float32)),
             "moe_experts bf16": (moe(3), moe(1000)),
             "attention bf16": (attention(False, torch.bfloat16), attention(True, torch.bfloat16)),
             "attention fp32 (tf32)": (attention(False, torch.float32),
-                                      attention(True, torch.float32))}
+                                      attention(True, torch.float32)),
+            "moe_experts_grad bf16": (moe_grad(3, torch.bfloat16), moe_grad(1000, torch.bfloat16)),
+            "moe_experts_grad fp32": (moe_grad(3, torch.float32), moe_grad(1000, torch.float32))}
 
 
 def spec_key(kernel, args, meta) -> tuple:
@@ -139,7 +150,8 @@ def check(arch: int = 90, verbose=print) -> list:
             res = resources(ck.asm["cubin"])
             mma = sorted(set(_WGMMA.findall(ck.asm["ptx"])))
             compiled[(kernel.__name__, key)] = mma
-            if kernel.__name__ in MATMUL and not mma:
+            tensor_cores = kernel.__name__ in MATMUL or kernel.__name__ in GRADS and "bf16" in name
+            if tensor_cores and not mma:
                 problems.append(f"{name}: {kernel.__name__} uses no wgmma (tensor cores)")
             if res.get("STACK", 0) or res.get("LOCAL", 0):
                 problems.append(f"{name}: {kernel.__name__} spills ({res})")
