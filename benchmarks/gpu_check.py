@@ -9,7 +9,8 @@ own time budget: exact kernels == the CPU's bits (every op, the tiny model's for
 sampled generate); fast-mode invariances (rows alone vs in a batch, split, TP row/column shards,
 prefill vs decode, EP, and end to end: training logprobs == rollout logprobs); timings as ratios
 measured in the same run (decode linear vs a device copy, M=4096 GEMM vs torch.matmul, the
-30B-shaped 2-layer decode step vs torch mode, exact GEMM vs the fp32 peak; a tile sweep). A
+30B-shaped 2-layer decode step vs torch mode, exact GEMM vs the fp32 peak; the experts'
+backward as grouped Triton GEMMs vs the CPU op and vs a per-expert loop; a tile sweep). A
 failing section is recorded with its error and the run goes on. It writes gpu.json and gpu.md
 (and copies them to $OUT when that folder exists: the device tool brings $OUT back).
 
@@ -183,6 +184,7 @@ def sections() -> list:
             ("timing: GEMM M=4096 vs torch.matmul", t.gemm_4096, 40),
             ("timing: 30B-shaped decode step, fast vs torch mode", t.model_decode, 90),
             ("timing: exact GEMM vs fp32 peak", t.exact_gemm, 30),
+            ("experts' backward: grouped vs CPU, timed vs per-expert loop", t.moe_backward, 40),
             ("timing: tile sweep (layout only)", t.config_sweep, 60)]
 
 

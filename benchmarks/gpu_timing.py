@@ -143,6 +143,35 @@ def model_decode(sec) -> None:
                    ratio <= 1.15, note=f"{med['fast']:.2f} vs {med['torch']:.2f} ms")
 
 
+def moe_backward(sec) -> None:
+    """The experts' backward of one 30B-A3B layer (128 experts, 256 tokens x 8 slots, bf16) as
+    grouped Triton GEMMs (moe_grad.py, the op's device kernel) against the C++ op on the CPU
+    (allclose: gradients are correct, not order-locked) and, timed, against device_grads'
+    per-expert loop of torch matmuls on the same operands: target < 1x its time."""
+    from tonp_kernels import device_grads as dg
+    from tonp_kernels.accel import moe_grad
+    r, dev = Inputs(6), sec.device
+    E, H, I, M, K = (128, 2048, 768, 256, 8) if not sec.dry else (4, 32, 16, 6, 2)
+    x, g = r(M, H, dtype=BF16), r(M, K, H, dtype=BF16)
+    gu, dn = r(E, 2 * I, H, dtype=BF16, scale=H ** -0.5), r(E, H, I, dtype=BF16, scale=I ** -0.5)
+    ids = torch.stack([torch.randperm(E, generator=r.g)[:K] for _ in range(M)])
+    gub = torch.ops.tonp.moe_experts_train(x, ids, gu, dn, 0, 8)[1]
+    args = [g, x, ids, gu, dn, gub]
+    want = torch.ops.tonp.moe_experts_grad(*args, 0, 8, [True] * 3)
+    dargs = [t.to(dev) for t in args] + [0, 8, [True] * 3]
+    got = moe_grad.moe_experts_grad(*dargs)
+    worst = max(float((a.cpu().double() - b.double()).abs().max() / b.double().abs().max())
+                for a, b in zip(got, want))
+    sec.check("grouped experts' backward vs the CPU op: max |diff| / max |grad| <= 2e-2", worst <= 2e-2,
+              f"{worst:.2e}")
+    t_grouped = bench(sec, lambda: moe_grad.moe_experts_grad(*dargs))
+    t_loop = bench(sec, lambda: dg.moe_experts_grad(*dargs))
+    ratio = _ratio(t_grouped, t_loop)
+    sec.metric("experts' backward, grouped Triton: time / per-expert loop's", ratio, "x", "< 1",
+               None if ratio is None else ratio < 1,
+               note=f"{t_grouped and round(t_grouped, 2)} vs {t_loop and round(t_loop, 2)} ms")
+
+
 def _time_once(sec, fn) -> float | None:
     if sec.dry:
         fn()
