@@ -84,8 +84,9 @@ struct GemmOperand {
 };
 constexpr int64_t kGemmKc = 256;  // the backward GEMM's k block (gemm.h)
 constexpr int64_t kGemmMaxM = 768;  // rows of C per gemm call at most (the caller splits)
+constexpr int64_t kGemmStrips = 8;  // 64-column B strips the AVX-512 build packs at once (bf16 pairs; fp32: half)
 // Scratch floats of a gemm call of at most kGemmMaxM rows (packed A and B blocks, any build).
-inline int64_t gemm_scratch() { return kGemmKc * 64 + (kGemmMaxM + 6) * kGemmKc; }
+inline int64_t gemm_scratch() { return kGemmKc * 64 * kGemmStrips / 2 + (kGemmMaxM + 6) * kGemmKc; }
 
 struct Kernels {
   const char* name;
