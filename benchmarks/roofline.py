@@ -34,17 +34,23 @@ SIZES = {  # MiB of the bandwidth tensors, GEMM size N, repeats
 
 
 def measure_machine(size: str = "full") -> dict:
-    """Memory bandwidth (copy, read-only) and MKL fp32 GEMM GFLOP/s of this process's threads.
-    size: "full" (512 MiB tensors, far beyond any CPU cache; 2048^3 GEMM), "quick", "smoke"."""
+    """Memory bandwidth (copy, read-only) and fp32 GEMM GFLOP/s of this process's threads: the
+    faster of MKL's torch.mm and tonp's own backward GEMM (a linear_backward weight gradient; on
+    AMD CPUs MKL takes its AVX2 path and tonp's AVX-512 GEMM outruns it, and a compute bound
+    below a measured rate is no bound). size: "full" (512 MiB tensors, far beyond any CPU cache;
+    2048^3 GEMM), "quick", "smoke"."""
     mib, N, repeat = SIZES[size]
     n = mib * 2 ** 20 // 4  # fp32 elements
     kw = dict(repeat=repeat, max_total_s=10 if size == "full" else 2, stat="min")
     t_copy, t_read = _bandwidth_times(n, kw)
     a, b = torch.randn(N, N), torch.randn(N, N)
-    t_mm = timeit(lambda: torch.mm(a, b), **kw).seconds
+    mkl = 2 * N ** 3 / timeit(lambda: torch.mm(a, b), **kw).seconds / 1e9
+    import tonp_kernels  # noqa: F401  (registers torch.ops.tonp)
+    own = 2 * N ** 3 / timeit(lambda: torch.ops.tonp.linear_backward(a, b, a, [False, True, False],
+                                                                     None), **kw).seconds / 1e9
     return {"copy_GBs": 2 * n * 4 / t_copy / 1e9, "read_GBs": n * 4 / t_read / 1e9,
-            "gemm_fp32_GFLOPs": 2 * N ** 3 / t_mm / 1e9, "gemm_n": N,
-            "bandwidth_bytes": n * 4}
+            "gemm_fp32_GFLOPs": max(mkl, own), "gemm_mkl_GFLOPs": mkl, "gemm_tonp_GFLOPs": own,
+            "gemm_n": N, "bandwidth_bytes": n * 4}
 
 
 def _bandwidth_times(n: int, kw: dict):

@@ -172,7 +172,8 @@ def markdown(meta, machine, cases, runs, store, extra) -> str:
             f"Read-only bandwidth (x.sum() or x.dot(x) over "
             f"{machine['bandwidth_bytes'] / 2**20:.0f} MiB) "
             f"**{machine['read_GBs']:.2f} GB/s**; copy bandwidth (read + write) "
-            f"{machine['copy_GBs']:.2f} GB/s; MKL fp32 GEMM ({machine['gemm_n']}^3) "
+            f"{machine['copy_GBs']:.2f} GB/s; fp32 GEMM ({machine['gemm_n']}^3, the faster of "
+            f"MKL's torch.mm and tonp's backward GEMM) "
             f"**{machine['gemm_fp32_GFLOPs']:.1f} GFLOP/s**: the best of a few runs each, "
             f"{len(machine.get('measurements', [machine]))} measurements (during the run"
             f"{' and when this report was re-rendered' if meta.get('rendered') else ''}), the "
@@ -182,7 +183,8 @@ def markdown(meta, machine, cases, runs, store, extra) -> str:
             "reads, over the read bandwidth probed between that measurement's repeats (the "
             "median probe, shown in the bound column: a neighbour's load on this shared machine "
             "moves the bandwidth by tens of percent within a run); prefill and training by "
-            "FLOPs per token over the fp32 GEMM rate (bf16 too: this CPU has no bf16 FMA).", ""]
+            "FLOPs per token over the fp32 GEMM rate (bf16 too, held to the fp32 bound: on a "
+            "CPU with AVX512-BF16 its pair chains can run above it).", ""]
     for case, run in zip(cases, runs):
         c = case.config
         info = run["info"]

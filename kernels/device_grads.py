@@ -128,22 +128,30 @@ def moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks):
     return y, gub
 
 
-def moe_experts_grad(grad, x, expert_ids, gate_up, down, gate_up_out, first_expert, chunks,
-                     output_mask):
-    """Per expert e with output gradients G, inputs x_e, gate/up rows g, u and h = silu(g) u:
-    dH = G Wdn (fp32), dWdn = G^T h, dgu = swiglu'(dH) (x's dtype), dWgu = dgu^T x_e,
-    dX rows = dgu Wgu (fp32), summed per token over its slots."""
+def experts_grad_rows(grad, x, expert_ids, gate_up, down, gate_up_out, first_expert, chunks):
+    """moe_experts_grad's checks (grad [M, K, H]; gate_up_out [M K, 2I] in x's dtype, or None:
+    recomputed) -> (gate_up_out, M, H, K, E, I)."""
     M, H = x.shape
     K, E, I = expert_ids.shape[1], gate_up.shape[0], down.shape[2]
-    R = M * K
     if tuple(grad.shape) != (M, K, H):
         raise ValueError(f"tonp.moe_experts_grad: grad must be [{M}, {K}, {H}], got "
                          f"{list(grad.shape)}")
     if gate_up_out is None:
         gate_up_out = moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks)[1]
-    elif tuple(gate_up_out.shape) != (R, 2 * I) or gate_up_out.dtype != x.dtype:
-        raise ValueError(f"tonp.moe_experts_grad: gate_up_out must be [{R}, {2 * I}] in x's dtype, "
-                         f"got {list(gate_up_out.shape)} {gate_up_out.dtype}")
+    elif tuple(gate_up_out.shape) != (M * K, 2 * I) or gate_up_out.dtype != x.dtype:
+        raise ValueError(f"tonp.moe_experts_grad: gate_up_out must be [{M * K}, {2 * I}] in x's "
+                         f"dtype, got {list(gate_up_out.shape)} {gate_up_out.dtype}")
+    return gate_up_out, M, H, K, E, I
+
+
+def moe_experts_grad(grad, x, expert_ids, gate_up, down, gate_up_out, first_expert, chunks,
+                     output_mask):
+    """Per expert e with output gradients G, inputs x_e, gate/up rows g, u and h = silu(g) u:
+    dH = G Wdn (fp32), dWdn = G^T h, dgu = swiglu'(dH) (x's dtype), dWgu = dgu^T x_e,
+    dX rows = dgu Wgu (fp32), summed per token over its slots."""
+    gate_up_out, M, H, K, E, I = experts_grad_rows(grad, x, expert_ids, gate_up, down, gate_up_out,
+                                                   first_expert, chunks)
+    R = M * K
     want_x, want_gu, want_dn = output_mask
     ggu = torch.zeros_like(gate_up) if want_gu else _none(gate_up)
     gdn = torch.zeros_like(down) if want_dn else _none(down)

@@ -129,20 +129,12 @@ def moe_experts_grad(grad, x, expert_ids, gate_up, down, gate_up_out, first_expe
                      output_mask):
     """tonp.moe_experts_grad on an accelerator: (dx [M, H] in x's dtype, dgate_up, ddown in the
     weights' dtypes; an empty tensor where output_mask says not wanted)."""
-    from ..device_grads import _groups, _none, _swiglu_grad, moe_experts_train
+    from ..device_grads import _groups, _none, _swiglu_grad, experts_grad_rows
 
     check_device("moe_experts_grad", grad, x, expert_ids, gate_up, down)
-    M, H = x.shape
-    K, E, I = expert_ids.shape[1], gate_up.shape[0], down.shape[2]
+    gate_up_out, M, H, K, E, I = experts_grad_rows(grad, x, expert_ids, gate_up, down, gate_up_out,
+                                                   first_expert, chunks)
     R = M * K
-    if tuple(grad.shape) != (M, K, H):
-        raise ValueError(f"tonp.moe_experts_grad: grad must be [{M}, {K}, {H}], got "
-                         f"{list(grad.shape)}")
-    if gate_up_out is None:
-        gate_up_out = moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks)[1]
-    elif tuple(gate_up_out.shape) != (R, 2 * I) or gate_up_out.dtype != x.dtype:
-        raise ValueError(f"tonp.moe_experts_grad: gate_up_out must be [{R}, {2 * I}] in x's dtype, "
-                         f"got {list(gate_up_out.shape)} {gate_up_out.dtype}")
     want_x, want_gu, want_dn = output_mask
     if R == 0:
         return (x.new_zeros(M, H) if want_x else _none(x),
@@ -154,7 +146,7 @@ def moe_experts_grad(grad, x, expert_ids, gate_up, down, gate_up_out, first_expe
     gate_up, down = gate_up.contiguous(), down.contiguous()
     G = grad.reshape(R, H)[order].contiguous()                     # rows in group order
     gate, up = gate_up_out[:, :I], gate_up_out[:, I:]
-    dH = grouped_rows(G, down, tiles)            # [R, I] fp32
+    dH = grouped_rows(G, down, tiles)                               # [R, I] fp32
     gdn = _none(down)
     if want_dn:
         h = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
@@ -165,7 +157,7 @@ def moe_experts_grad(grad, x, expert_ids, gate_up, down, gate_up_out, first_expe
         if want_gu else _none(gate_up)
     if not want_x:
         return _none(x), ggu, gdn
-    dxs = grouped_rows(dgu, gate_up, tiles)     # [R, H] fp32, group order
+    dxs = grouped_rows(dgu, gate_up, tiles)                         # [R, H] fp32, group order
     dx = torch.empty_like(dxs)
     dx[order] = dxs
     return dx.view(M, K, H).sum(1).to(x.dtype), ggu, gdn
