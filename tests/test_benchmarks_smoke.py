@@ -76,7 +76,7 @@ def test_train_bench_quick_writes_its_targets(tmp_path):
     assert data["isa"] in ("avx512bf16", "avx2", "portable")
     for dt in ("fp32", "bf16"):
         assert set(data[dt]["seconds"]) == {f"{m} {w}" for m in ("invariant", "torch")
-                                            for w in ("forward", "train", "prefill")} | {"fp32 GEMM"}
+                                            for w in ("forward", "train", "prefill")} | {"fp32 GEMM", "tonp fp32 GEMM"}
         assert all(s > 0 for s in data[dt]["seconds"].values())
     md = (tmp_path / "train_quick.md").read_text()
     assert md.count("| met |") + md.count("| **NOT met** |") == 6 and data["isa"] in md

@@ -106,17 +106,27 @@ def weight_loader(model):
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     import tonp_parallel as tpar
-    from tonp_models.engine import Engine
-
-    from .app import ServeState
-    from .service import EngineService
-    from .text import TextCodec
 
     if args.threads:
         torch.set_num_threads(args.threads)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     groups = tpar.init_parallel(tp=args.tp, ep=args.ep) if distributed or args.tp * args.ep > 1 \
         else None
+    try:
+        _serve_ranks(args, groups)
+    finally:  # every rank's loop has ended: gloo's threads and rank 0's store stop here, not in
+        if groups is not None:  # the interpreter's teardown (a rank once aborted there at exit)
+            torch.distributed.destroy_process_group()
+
+
+def _serve_ranks(args, groups) -> None:
+    """Rank 0 serves HTTP; other ranks follow its broadcast ticks (tp x ep ranks, one model)."""
+    from tonp_models.engine import Engine
+
+    from .app import ServeState
+    from .service import EngineService
+    from .text import TextCodec
+
     if groups is not None and groups.world_size > args.tp * args.ep:
         raise SystemExit(f"tonp_models.serve: {groups.world_size} ranks for tp={args.tp} x "
                          f"ep={args.ep}: the world must be one model; data-parallel replicas "
