@@ -5,9 +5,9 @@ tensors through them under Triton's interpreter.
   dispatch keys, a kernel that runs `registry.kernel(op)`: the exact or the fast Triton kernel
   of the calling context's numerics. The C++ autograd of the ops (csrc/autograd.cpp) sits above
   it, as it does above the CPU kernels. Triton is imported at the first such call. The backward
-  ops (and moe_experts_train) get device_grads.py's torch-math kernels for the same keys, but
-  the experts' gradients, which run as grouped Triton GEMMs (accel/moe_grad.py) wherever
-  Triton runs on the device.
+  ops get device_grads.py's torch-math kernels for the same keys, but the experts': wherever
+  Triton runs on the device, moe_experts_train is the moe_experts kernel handing back its
+  grouped gate_up rows, and the gradients are grouped Triton GEMMs (accel/moe_grad.py).
 * CPU tensors under `use(..., backend="triton")` (or TONP_ACCEL_ON_CPU=1): `on_cpu(fn)` runs the
   invariant backend's function inside a dispatch mode that sends every tonp op to the same
   Triton kernels, interpreted (TRITON_INTERPRET=1 is set before the kernels are first imported;
@@ -54,13 +54,23 @@ def _device_kernel(op: str):
     return run
 
 
-def _grouped_grad(op: str):
-    """The experts' backward: one grouped Triton launch per GEMM (accel/moe_grad.py) where
-    Triton runs on the device; device_grads' per-expert torch math where it does not."""
+def _moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks):
+    """(y, gate_up rows): the context's moe_experts kernel (exact or fast) handing back the
+    grouped gate_up rows it computed: y has the forward's bits, the rows cost nothing more."""
+    from .accel import registry
+    return registry.kernel("moe_experts")(x, expert_ids, gate_up, down, first_expert, chunks,
+                                          gate_up_rows=True)
+
+
+def _grouped(op: str):
+    """The experts' training ops as grouped Triton launches (accel/moe_grad.py for the backward)
+    where Triton runs on the device; device_grads' per-expert torch math where it does not."""
     def run(*args):
         dev = next(a.device for a in args if isinstance(a, torch.Tensor))
         if not _triton_runs_on(dev.type):
             return _GRADS[op](*args)
+        if op == "moe_experts_train":
+            return _moe_experts_train(*args)
         from .accel import moe_grad
         return getattr(moe_grad, op)(*args)
     run.__name__ = f"{op}_triton"
@@ -69,7 +79,8 @@ def _grouped_grad(op: str):
 
 _LIB = torch.library.Library("tonp", "IMPL")  # kept alive: dropping it unregisters
 # The forward ops on Triton; the backward ops on torch math (device_grads.py) but the experts'.
-_GROUPED = {op: _grouped_grad(op) for op in ("moe_experts_grad", "moe_experts_backward")}
+_GROUPED = {op: _grouped(op) for op in ("moe_experts_train", "moe_experts_grad",
+                                         "moe_experts_backward")}
 for _op, _fn in {**{op: _device_kernel(op) for op in OPS}, **_GRADS, **_GROUPED}.items():
     for _key in _KEYS:  # once per process, even if this file is imported under a second name
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"tonp::{_op}", _key):

@@ -72,7 +72,28 @@ def test_the_device_kernel_is_the_grouped_one(gen):
     args = (g, x, ids, gu, dn, None, 0, 8, [True] * 3)
     assert_bitwise(_accel._GROUPED["moe_experts_grad"](*args), moe_grad.moe_experts_grad(*args),
                    "registered kernel")
-    assert _accel._grouped_grad("moe_experts_grad").__name__ == "moe_experts_grad_triton"
+    assert _accel._grouped("moe_experts_grad").__name__ == "moe_experts_grad_triton"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts_train_hands_back_the_forwards_own_rows(dtype, gen):
+    """The device moe_experts_train is the moe_experts kernel returning its grouped gate_up
+    rows: exact numerics give the C++ op's (y, rows) bit for bit; fast numerics give the fast
+    moe_experts' y bit for bit and rows within a bf16 rounding of the C++ ones."""
+    import tonp_kernels as tk
+    from tonp_kernels.accel import fast_moe
+    for what, ((x, ids, gu, dn, _), first) in _cases(dtype, gen).items():
+        train = _accel._GROUPED["moe_experts_train"]
+        assert_bitwise(train(x, ids, gu, dn, first, 8),
+                       torch.ops.tonp.moe_experts_train(x, ids, gu, dn, first, 8), f"exact {what}")
+        with tk.use("invariant", numerics="fast"):
+            y, rows = train(x, ids, gu, dn, first, 8)
+        assert_bitwise(y, fast_moe.moe_experts(x, ids, gu, dn, first, 8), f"fast {what}")
+        agree((rows,), (torch.ops.tonp.moe_experts_train(x, ids, gu, dn, first, 8)[1],),
+              f"fast rows {what}")
+    x, ids, gu, dn, _ = _experts(dtype, gen)
+    y, rows = train(x[:0], ids[:0], gu, dn, 0, 8)
+    assert y.shape == (0, 2, x.shape[1]) and rows.shape == (0, gu.shape[1])
 
 
 def test_twin_a_misassigned_tile_is_caught(gen, monkeypatch):

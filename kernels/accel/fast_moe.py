@@ -21,10 +21,12 @@ from .rowwise import silu_mul_rows
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, first_expert: int = 0, chunks: int = 8) -> torch.Tensor:
+                down: torch.Tensor, first_expert: int = 0, chunks: int = 8, *,
+                gate_up_rows: bool = False):
     """Fast numerics of tonp_kernels.moe_experts: x [M, H], expert_ids int64 [M, K], gate_up
     [E, 2I, H], down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert
-    ids[m, k] - first_expert)."""
+    ids[m, k] - first_expert). gate_up_rows: (y, the gate_up rows [M K, 2I] in expert-group
+    order), as the exact kernel's."""
     opcheck.moe_experts(x, expert_ids, gate_up, down, first_expert, chunks)
     check_device("moe_experts", x, expert_ids, gate_up, down)
     M, H = x.shape
@@ -33,7 +35,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     y = torch.empty(M, Kk, H, dtype=x.dtype, device=x.device)
     R = M * Kk
     if R == 0 or H == 0:
-        return y
+        return (y, x.new_zeros(R, 2 * I)) if gate_up_rows else y
     e = expert_ids.reshape(-1) - first_expert
     order = torch.sort(e, stable=True).indices
     bm = linear_config(2 * I, H, chunks, x.dtype, gate_up.dtype).BM
@@ -46,4 +48,4 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     ys = torch.empty(R, H, dtype=x.dtype, device=x.device)
     launch_fast_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I)
     y.view(R, H)[order] = ys
-    return y
+    return (y, gu) if gate_up_rows else y

@@ -98,10 +98,12 @@ def _expert_tiles(e: torch.Tensor, E: int, BM: int) -> torch.Tensor:
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, first_expert: int = 0, chunks: int = 8, *,
-                pairs=None) -> torch.Tensor:
+                pairs=None, gate_up_rows: bool = False):
     """torch.ops.tonp.moe_experts's bits: x [M, H], expert_ids int64 [M, K], gate_up [E, 2I, H],
     down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert ids[m, k] - first).
-    pairs: as linear's (the bf16 x bf16 pair chains forced on or off; None: as the C++ build)."""
+    pairs: as linear's (the bf16 x bf16 pair chains forced on or off; None: as the C++ build).
+    gate_up_rows: (y, the gate_up rows [M K, 2I] in expert-group order), moe_experts_train's
+    outputs (the rows the experts' backward reads)."""
     op = "moe_experts"
     if x.dim() != 2:
         raise ValueError(f"tonp.{op}: x must be [M, H], got {tuple(x.shape)}")
@@ -128,7 +130,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     y = torch.empty(M, Kk, H, dtype=x.dtype, device=x.device)
     R = M * Kk
     if R == 0 or H == 0:
-        return y
+        return (y, x.new_zeros(R, 2 * I)) if gate_up_rows else y
     e = expert_ids.reshape(-1) - first_expert
     bad = (e < 0) | (e >= E)
     if bool(bad.any()):
@@ -144,4 +146,4 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     ys = torch.empty(R, H, dtype=x.dtype, device=x.device)
     launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, None, pairs)
     y.view(R, H)[order] = ys
-    return y
+    return (y, gu) if gate_up_rows else y
