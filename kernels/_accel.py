@@ -62,25 +62,32 @@ def _moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks):
                                           gate_up_rows=True)
 
 
-def _grouped(op: str):
-    """The experts' training ops as grouped Triton launches (accel/moe_grad.py for the backward)
-    where Triton runs on the device; device_grads' per-expert torch math where it does not."""
+def _moe_grad(op: str):
     def run(*args):
-        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
-        if not _triton_runs_on(dev.type):
-            return _GRADS[op](*args)
-        if op == "moe_experts_train":
-            return _moe_experts_train(*args)
         from .accel import moe_grad
         return getattr(moe_grad, op)(*args)
+    return run
+
+
+# The experts' training ops where Triton runs on the device: grouped launches, no expert loop.
+_TRITON_TRAIN = {"moe_experts_train": _moe_experts_train,
+                 "moe_experts_grad": _moe_grad("moe_experts_grad"),
+                 "moe_experts_backward": _moe_grad("moe_experts_backward")}
+
+
+def _grouped(op: str):
+    """op's Triton version (_TRITON_TRAIN) where Triton runs on the device; device_grads'
+    per-expert torch math where it does not (an NPU without triton-ascend)."""
+    def run(*args):
+        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return (_TRITON_TRAIN if _triton_runs_on(dev.type) else _GRADS)[op](*args)
     run.__name__ = f"{op}_triton"
     return run
 
 
 _LIB = torch.library.Library("tonp", "IMPL")  # kept alive: dropping it unregisters
 # The forward ops on Triton; the backward ops on torch math (device_grads.py) but the experts'.
-_GROUPED = {op: _grouped(op) for op in ("moe_experts_train", "moe_experts_grad",
-                                         "moe_experts_backward")}
+_GROUPED = {op: _grouped(op) for op in _TRITON_TRAIN}
 for _op, _fn in {**{op: _device_kernel(op) for op in OPS}, **_GRADS, **_GROUPED}.items():
     for _key in _KEYS:  # once per process, even if this file is imported under a second name
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"tonp::{_op}", _key):

@@ -65,14 +65,18 @@ def test_against_float64_autograd(gen):
             "grouped moe_experts_grad")
 
 
-def test_the_device_kernel_is_the_grouped_one(gen):
+def test_the_device_kernel_is_the_grouped_one(gen, monkeypatch):
     """_accel's CUDA / NPU kernel of the op runs moe_grad where Triton runs (here: the
-    interpreter on CPU tensors), device_grads' loop on an NPU without triton-ascend."""
+    interpreter on CPU tensors), device_grads' loop where it does not (an NPU without
+    triton-ascend, simulated)."""
     x, ids, gu, dn, g = _experts(torch.float32, gen)
     args = (g, x, ids, gu, dn, None, 0, 8, [True] * 3)
     assert_bitwise(_accel._GROUPED["moe_experts_grad"](*args), moe_grad.moe_experts_grad(*args),
                    "registered kernel")
     assert _accel._grouped("moe_experts_grad").__name__ == "moe_experts_grad_triton"
+    monkeypatch.setattr(_accel, "_triton_runs_on", lambda device_type: False)
+    assert_bitwise(_accel._GROUPED["moe_experts_grad"](*args), dg.moe_experts_grad(*args),
+                   "fallback")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
