@@ -28,8 +28,8 @@ from tonp_models.training import (ByteTokenizer, WindowSampler, build_model, che
                                   evaluate, lm_step, load_tokens, window_rows)
 from tonp_models.training.cli import (DTYPES, add_config_args, add_launch_args,
                                       add_training_args, fraction, launch, layout_meta,
-                                      load_config, non_negative_int, positive_int, run_script,
-                                      run_supervised)
+                                      load_config, non_negative_int, positive_int,
+                                      prepare_run_dir, run_script, run_supervised)
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
@@ -58,6 +58,7 @@ def main(argv=None) -> Dict:
 
 def _train(args, groups) -> Dict:
     config = load_config(args)
+    prepare_run_dir(args, groups)               # refuses to land on another run's history
     tokens = load_tokens(args.data, ByteTokenizer(config.bos_token_id, config.eos_token_id),
                          args.token_dtype)
     check_vocab(tokens, config.vocab_size, args.data)
@@ -67,7 +68,7 @@ def _train(args, groups) -> Dict:
                             groups.dp_size)
     model = build_model(config, DTYPES[args.dtype], groups, args.seed)
     meta = {"script": "pretrain", "config": config.to_hf(), "dtype": args.dtype,
-            "layout": layout_meta(groups), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+            "layout": layout_meta(groups)}
 
     def nll(windows):                           # (sum of -log p, tokens) of held-out windows
         rows = window_rows(val, windows, args.seq_len)
@@ -78,7 +79,7 @@ def _train(args, groups) -> Dict:
     return run_supervised(
         args, groups, model, sampler,
         lambda b: (lm_step(model, b, args.micro_batches), b[:, 1:].numel()),
-        meta=meta, name="pretrain",
+        meta=meta, name="pretrain", fixed=("data", "token_dtype", "val_fraction", "seq_len"),
         eval_fn=lambda: evaluate(model, range(n_eval), args.batch_size, groups, nll))
 
 
