@@ -36,9 +36,10 @@ from .trainer import Trainer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt")
-# Errors a user's input causes (bad values, files, checkpoints, a stalled peer): one clean line.
+# Errors a user's input causes (bad values, files, checkpoints), and a pipeline stage that
+# failed on another rank (that rank says why): one clean line. Peers that die: `peer_failure`.
 USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, FloatingPointError,
-               torch.distributed.DistError)
+               torch.distributed.DistError, tpar.StageFailed)
 # Flags a supervised checkpoint fixes (a resume with another value is refused, naming the flag);
 # the scripts add their data flags. Not recorded, so free on resume: --steps (applied: the
 # schedule's end moves), --eval-every, --save-every, --keep-last, --stop-after, --threads, ...
