@@ -8,6 +8,7 @@
     trainer      Trainer: the above in one object; build_model
     loop         fit (the supervised loop), lm_loss / lm_step, response_loss / _step, evaluate
     rundir       prepare_out_dir: one run per output directory (--resume / --overwrite)
+    peers        peer_failure: a collective failed by a dead or stalled peer, in one line
     cli          the example scripts' flags, launch (--dist-timeout), run_script, run_supervised
 """
 from .checkpoints import CheckpointError, CheckpointManager, read_meta, rng_state, set_rng_state

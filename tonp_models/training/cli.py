@@ -16,10 +16,8 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
-import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -30,6 +28,7 @@ from ..qwen3_moe import PRESETS, Qwen3MoeConfig
 from .checkpoints import CheckpointError
 from .loop import fit
 from .metrics import plot_curves
+from .peers import peer_failure, register_peers
 from .rundir import prepare_out_dir
 from .trainer import Trainer
 
@@ -214,7 +213,7 @@ def launch(args, body: Callable[[Any, tpar.ParallelGroups], Any]) -> Any:
         groups = dataclasses.replace(groups, device=torch.device(device, local))
     if args.micro_batches is None:
         args.micro_batches = groups.pp_size
-    _register_peers(groups)
+    register_peers(groups)
     with tk.use(args.mode, numerics=getattr(args, "numerics", "exact")):
         return body(args, groups)
 
@@ -235,8 +234,9 @@ def layout_meta(groups) -> Dict[str, Any]:
 def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
                argv: Optional[Sequence[str]] = None) -> int:
     """main(argv); a user error (bad value, missing or bad file, mismatched checkpoint) or a
-    collective that failed because a peer rank died or stalled prints `prog: error: ...` (one
-    line) on stderr and returns 1 instead of a traceback (TONP_TRACEBACK=1 shows it)."""
+    collective that failed because a peer rank died or stalled (`peers.peer_failure`) prints
+    `prog: error: ...` (one line) on stderr and returns 1 instead of a traceback
+    (TONP_TRACEBACK=1 shows it)."""
     try:
         main(argv)
         return 0
@@ -248,88 +248,6 @@ def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
             raise
         print(f"{prog}: error: {line or e}", file=sys.stderr)
         return 1
-
-
-# -- a peer rank that died or stalled -------------------------------------------------------------
-_PEERS: Dict[int, Tuple[str, int]] = {}     # rank -> (host, pid), filled by `launch`
-
-
-def _register_peers(groups) -> None:
-    _PEERS.clear()
-    if groups.world_size > 1:
-        table: List[Any] = [None] * groups.world_size
-        torch.distributed.all_gather_object(table, (socket.gethostname(), os.getpid()))
-        _PEERS.update(enumerate(table))
-
-
-def _alive(pid: int) -> bool:
-    if os.path.exists("/proc/self/stat"):       # Linux: a zombie (exited, not reaped) is dead
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except (FileNotFoundError, IndexError):
-            return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _dead_peers(wait: float = 0.5) -> List[Tuple[int, int]]:
-    """(rank, pid) of the peers on this host that are gone; a peer whose socket closed is
-    exiting, so look again for up to `wait` seconds."""
-    host, me = socket.gethostname(), os.getpid()
-    local = [(r, pid) for r, (h, pid) in _PEERS.items() if h == host and pid != me]
-    deadline = time.monotonic() + wait
-    while True:
-        dead = [(r, pid) for r, pid in local if not _alive(pid)]
-        if dead or time.monotonic() > deadline:
-            return dead
-        time.sleep(0.02)
-
-
-def _collective_error(e: BaseException) -> Optional[BaseException]:
-    """The error of a failed collective in e's chain: torch's DistError (NCCL, the store) or a
-    gloo transport error, which torch raises as a plain RuntimeError "[.../gloo/...] ..."."""
-    seen = 0
-    while e is not None and seen < 8:
-        text = str(e)
-        if isinstance(e, torch.distributed.DistError) or (
-                isinstance(e, RuntimeError) and text.startswith("[") and
-                "gloo" in text.split("]", 1)[0]):
-            return e
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return None
-
-
-def peer_failure(e: BaseException) -> Optional[str]:
-    """One line for an error that is a collective failing because a peer rank died, stalled or
-    dropped its connection (naming the dead ranks that ran on this host); None otherwise."""
-    cause = _collective_error(e)
-    if cause is None:
-        return None
-    text = str(cause)
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]           # gloo's source location
-    detail = text.split(". This is typically")[0].strip().splitlines()[0]   # and its advice
-    me = torch.distributed.get_rank() if torch.distributed.is_initialized() else \
-        int(os.environ.get("RANK", "0"))
-    dead = _dead_peers()
-    if dead:
-        who = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
-        return f"{who} died; rank {me} stopped: its collective failed ({detail})"
-    low = detail.lower()
-    if "timed out" in low or "timeout" in low:
-        return (f"rank {me}: a collective waited longer than --dist-timeout for a peer rank that "
-                f"is stalled or gone ({detail}); see the other ranks' output")
-    if any(w in low for w in ("connection", "closed", "reset", "broken pipe", "read error",
-                              "write error", "got 0 bytes")):
-        return (f"rank {me}: a collective failed: a peer rank died or dropped its connection "
-                f"({detail}); see the other ranks' output")
-    return None                                 # another backend error: not a peer's death
 
 
 def export_hf(model, path: str, groups, files_from: Optional[str] = None) -> str:
