@@ -1,10 +1,10 @@
 """True on-policy RL (GRPO with a PPO-clip loss) with one model as trainer and rollout engine.
 
     python examples/grpo.py                          # tiny model, digit-copy task, invariant kernels
-    python examples/grpo.py --mode torch             # stock torch ops: logdiff > 0, ratio != 1
-    python examples/grpo.py --init out/pretrain/hf --task reverse
-    torchrun --nproc-per-node 2 examples/grpo.py     # data parallel (each rank its own prompts)
-    torchrun --nproc-per-node 2 examples/grpo.py --pp 2 --rollout-tp 2   # train PP 2, roll out TP 2
+    python examples/grpo.py --mode torch --out out/grpo_torch   # stock ops: logdiff > 0, ratio != 1
+    python examples/grpo.py --init out/pretrain/hf --task reverse --out out/grpo_rev
+    torchrun --nproc-per-node 2 examples/grpo.py --out out/grpo_dp2   # DP: each rank its prompts
+    torchrun --nproc-per-node 2 examples/grpo.py --pp 2 --rollout-tp 2 --overwrite   # in out/grpo
 
 Each step samples --group-size responses per prompt with `tonp_models.generate`, rewards them
 (copy "407>" -> "407", reverse -> "704", add "3+5>" -> "8"; partial credit per character),

@@ -3,15 +3,18 @@
     python examples/pretrain.py                                   # tiny preset, bundled corpus
     python examples/pretrain.py --steps 400 --dtype bf16 --out out/run1
     python examples/pretrain.py --out out/run1 --resume           # continue from the latest ckpt
-    torchrun --nproc-per-node 2 examples/pretrain.py              # data parallel x2
-    torchrun --nproc-per-node 4 examples/pretrain.py --tp 2 --ep 2
-    torchrun --nproc-per-node 4 examples/pretrain.py --pp 2 --tp 2 --sp --micro-batches 4
-    torchrun --nproc-per-node 2 examples/pretrain.py --cp 2 --seq-len 1024
+    python examples/pretrain.py --out out/run1 --overwrite        # start run1 again, afresh
+    torchrun --nproc-per-node 2 examples/pretrain.py --out out/dp2          # data parallel x2
+    torchrun --nproc-per-node 4 examples/pretrain.py --out out/tpep --tp 2 --ep 2
+    torchrun --nproc-per-node 4 examples/pretrain.py --out out/pp2 --pp 2 --tp 2 --sp \
+        --micro-batches 4
+    torchrun --nproc-per-node 2 examples/pretrain.py --out out/cp2 --cp 2 --seq-len 1024
 
 The loss is the mean of -log p(next token) from `model.token_logprobs` (the numbers an RL loop
 scores rollouts with), run by `model.forward_backward` in --micro-batches micro-batches (the
 1F1B pipeline schedule under --pp; the same loss bits at every --pp for the same micro-batches). The loop, optimizer, checkpoints and `--resume` (bit for bit) are
-tonp_models.training's (see docs/training.md); the HF export goes to <out>/hf.
+tonp_models.training's (see docs/training.md); the HF export goes to <out>/hf. A new run in an
+--out that holds one is refused: --resume it, --overwrite it, or choose another --out.
 --data: a UTF-8 text file (bytes are the tokens) or a raw token file (.bin/.u16 = uint16,
 .u32 = uint32, memory-mapped); default examples/data/corpus.txt (examples/make_corpus.py).
 """
