@@ -16,8 +16,10 @@ import textwrap
 import pytest
 import torch
 
-from tonp_models.training import (CheckpointError, CheckpointManager, MetricLogger, read_jsonl,
-                                  read_meta)
+import tonp_parallel as tpar
+from tonp_models.training import (CheckpointError, CheckpointManager, MetricLogger,
+                                  prepare_out_dir, read_jsonl, read_meta)
+from tonp_parallel.launch import run_distributed
 from tonp_models.training.cli import run_script
 
 from test_examples import EXAMPLES, TINY, finetune, grpo, params_equal, pretrain, run_pretrain
@@ -128,6 +130,26 @@ def test_resumes_that_would_mix_two_histories_are_refused(first, tmp_path):
     fork = run_pretrain(tmp_path / "fork", "--steps", 4, "--resume",
                         other / "ckpt" / "step_00000003", *QUIET)   # a fresh --out: allowed
     assert fork["start"] == 3 and sorted(fork["losses"]) == [4]
+
+
+def _two_ranks(out: str):
+    groups = tpar.init_parallel()
+    try:
+        prepare_out_dir(out, resume=None, overwrite=False, groups=groups)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    prepare_out_dir(out, resume=None, overwrite=True, groups=groups)
+    return refused, sorted(os.listdir(out))        # after the barrier: rank 0 has deleted
+
+
+def test_every_rank_gets_the_same_answer(first, tmp_path):
+    """Rank 0 decides and every rank raises the same error; --overwrite deletes before any rank
+    goes on."""
+    out = copy(first, tmp_path)
+    res = run_distributed(_two_ranks, 2, str(out), timeout=120)
+    assert res[0] == res[1] and "already holds a run" in res[0][0], res
+    assert res[0][1] == [], res
 
 
 # -- a resume's hyper-parameters ------------------------------------------------------------------
