@@ -91,9 +91,10 @@ def completion_logprobs(codec: TextCodec, tokens, lps, tops, r: Render, offset: 
     for s in strs:
         offsets.append(pos)
         pos += len(s)
-    top = [None if lp is None else
-           dict([(s, lp)] + [(codec.token(i, r.as_ids), v) for i, v in (t or [])][:r.logprobs])
-           for s, lp, t in zip(strs, lps, tops)]
+    # the first entry of a string wins: the token's own when two ids decode alike
+    top = [None if lp is None else dict(reversed([(s, lp)] + [
+        (codec.token(i, r.as_ids), v) for i, v in (t or [])][:r.logprobs]))
+        for s, lp, t in zip(strs, lps, tops)]
     return {"tokens": strs, "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": offsets}
 
