@@ -144,9 +144,10 @@ def test_prompt_logprobs_are_the_training_forwards_cold_and_cached(oai, http, se
     http.post(f"{server.url}/reset_prefix_cache")
     seen = []
     for attempt in ("cold", "cached"):
-        r = oai.completions.create(model=NAME, prompt=p, max_tokens=1, temperature=0,
+        r = oai.completions.create(model=NAME, prompt=p, max_tokens=1, temperature=0, n=2,
                                    extra_body={"prompt_logprobs": 3})
-        c = r.choices[0]
+        c = r.choices[0]       # the prompt is scored once, both choices carry it
+        assert r.choices[1].prompt_logprobs == c.prompt_logprobs
         seen.append(r.usage.prompt_tokens_details.cached_tokens)
         assert c.prompt_token_ids == p and c.prompt_logprobs[0] is None
         got = f32([_prompt_lp(e, t) for e, t in zip(c.prompt_logprobs[1:], p[1:])])
@@ -212,16 +213,20 @@ def test_a_stop_string_ends_the_completion_where_vllm_does(http, server, tok, in
     want_ids, want_text = _expected(tok, full["token_ids"], s, include)
     assert len(want_ids) < len(full["token_ids"])
     finished = metrics(http, server.url).get('tonp_requests_finished_total{reason="abort"}', 0)
-    body = {"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+    # max_tokens far beyond the stop: the abort lands long before the engine would finish
+    body = {"prompt": p, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "stop": [s, "\x00never"], "include_stop_str_in_output": include}
+    made = metrics(http, server.url)["tonp_generation_tokens_total"]
     c = http.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
     assert (c["text"], c["token_ids"]) == (want_text, want_ids)
     assert c["finish_reason"] == "stop" and c["stop_reason"] == s
     assert c["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][:len(want_ids)]
     # the engine request was aborted at the stop: its slot and pages are free
-    wait_until(lambda: metrics(http, server.url)[
-        'tonp_requests_finished_total{reason="abort"}'] == finished + 1, what="the abort")
-    assert metrics(http, server.url)["tonp_num_requests_running"] == 0
+    wait_until(lambda: metrics(http, server.url).get(
+        'tonp_requests_finished_total{reason="abort"}', 0) == finished + 1, what="the abort")
+    after = metrics(http, server.url)
+    assert after["tonp_num_requests_running"] == 0
+    assert after["tonp_generation_tokens_total"] - made < 900
     # streamed: the same text (a possible stop prefix held back until it is decided)
     text, ids, reasons = "", [], []
     with http.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:

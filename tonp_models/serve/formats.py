@@ -58,7 +58,8 @@ def prompt_logprobs(codec: TextCodec, c: Choice, r: Render) -> Optional[List]:
         return None
     out: List[Optional[Dict]] = [None]
     for tok, p in zip(c.prompt[1:], c.prompt_logprobs):
-        d = {tok: {"logprob": p.logprob, "rank": p.rank, "decoded_token": codec.token(tok, r.as_ids)}}
+        d = {tok: {"logprob": p.logprob, "rank": p.rank,
+                   "decoded_token": codec.token(tok, r.as_ids)}}
         for rank, (i, v) in enumerate(p.top, 1):
             d.setdefault(i, {"logprob": v, "rank": rank,
                              "decoded_token": codec.token(i, r.as_ids)})
