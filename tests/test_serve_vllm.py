@@ -360,3 +360,30 @@ def test_trls_vllm_client_generates_scores_and_resets_the_cache(trl_client):
     assert trl_client.get_world_size() == 1
     trl_client.reset_prefix_cache()
     assert "model_config" in trl_client.get_server_info()
+
+
+# -- the text side, without a server ----------------------------------------------------------
+def test_incremental_text_equals_the_full_decode_and_stops_like_vllm(ckpt):
+    import random
+
+    from tonp_models.serve.text import Detokenizer, StopText, TextCodec
+    codec = TextCodec(ckpt)
+    pieces = codec.encode("héllo wörld 日本 ok", "text") + list(range(256, 259))
+    rng = random.Random(0)
+    for _ in range(200):    # byte tokens: multi-byte characters span tokens; invalid bytes too
+        ids = [rng.choice([rng.randrange(259), rng.choice(pieces)]) for _ in range(30)]
+        for skip in (False, True):
+            d = Detokenizer(codec, skip)
+            out = "".join(d.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
+            assert out == codec.decode(ids, skip), ids
+    ids = codec.encode("say 日本 then stop", "text")
+    for include, want in ((False, "say "), (True, "say 日本")):
+        st = StopText(codec, ["日本", "then"], include)
+        hits = [st.add([t]) for t in ids]
+        done = hits.index("日本")            # the token completing the character completes it
+        assert codec.decode(ids[:done + 1]).endswith("日本") and hits[done - 1] is None
+        assert st.text == want and st.visible(False) == want
+    held = StopText(codec, ["stop"])
+    for t in codec.encode("go st", "text"):
+        held.add([t])
+    assert held.text == "go st" and held.visible(False) == "go" and held.visible(True) == "go st"
