@@ -121,6 +121,8 @@ def test_a_cross_site_text_plain_post_cannot_drive_update_weights(server, http, 
                   headers={"Content-Type": "text/plain"})
     assert r.status_code == 415, r.text
     assert _version(http, url) == before                    # nothing was loaded
+    r = http.post(url + "/update_weights")   # no body (as clients POST to body-less routes)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body:"), r.text
     r = http.post(url + "/update_weights", content=body,
                   headers={"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["success"], r.text
@@ -276,13 +278,17 @@ def test_the_api_key_comes_from_the_flag_else_tonp_api_key(monkeypatch, capsys):
     assert "empty key" in capsys.readouterr().err
 
 
-def test_the_policy_of_a_bind_address():
+def test_the_policy_of_a_bind_address(caplog):
     lo = Security.for_server("127.0.0.1", max_body_bytes=10)
     assert lo.hosts == lo.origins == {"localhost", "127.0.0.1", "::1"} and not lo.api_keys
     assert Security.for_server("::1", max_body_bytes=10).hosts == lo.hosts
-    wide = Security.for_server("0.0.0.0", api_keys=["k"], max_body_bytes=10)
+    with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+        wide = Security.for_server("0.0.0.0", api_keys=["k"], max_body_bytes=10)
+        assert not caplog.records
+        named = Security.for_server("0.0.0.0", allowed_hosts=["Box.Example:8000"],
+                                    max_body_bytes=1)
+    assert "without --api-key" in caplog.records[0].getMessage()   # the open bind is flagged
     assert wide.hosts is None and wide.origins == lo.hosts   # any Host; browsers still checked
-    named = Security.for_server("0.0.0.0", allowed_hosts=["Box.Example:8000"], max_body_bytes=1)
     assert named.hosts == lo.hosts | {"box.example"}
     star = Security.for_server("127.0.0.1", allowed_hosts=["*"], max_body_bytes=1)
     assert star.hosts is None and star.origins is None

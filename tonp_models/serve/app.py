@@ -27,7 +27,7 @@ __all__ = ["ServeState", "create_app"]
 
 async def _api_error(http, e: ApiError):
     if e.status == 500:     # a server fault: its details go to the server log, not the client
-        return internal_error(f"{http.method} {http.url.path}", e.message)
+        return internal_error(http.scope, e.message)
     return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
 
 

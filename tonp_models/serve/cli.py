@@ -165,7 +165,8 @@ def _serve_ranks(args, groups) -> None:
                                       else args.preset)
     security = Security.for_server(args.host, api_keys=args.api_key or (),
                                    allowed_hosts=args.allowed_host,
-                                   max_body_bytes=args.max_body_bytes or default_body_limit(context))
+                                   max_body_bytes=args.max_body_bytes or
+                                   default_body_limit(context))
     st = ServeState(service, codec, name, context, c.vocab_size,
                     sorted(set(eos) | set(codec.eos_ids())), args.max_n, security=security)
     serve(st, args.host, args.port, args.graceful_timeout)

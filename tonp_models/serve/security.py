@@ -8,8 +8,9 @@ docs/serving.md, "Security"). In the order it checks, each refusal an OpenAI-sty
    (sha256 digests compared in constant time).
 3. Origin (403): a browser's request from another site (an Origin header naming a host not
    allowed) is refused on every route that changes state (any method but GET, HEAD, OPTIONS).
-4. Content-Type (415): such a request's body must be application/json, so the cross-site
-   text/plain or form POST a browser sends without a CORS preflight never reaches a handler.
+4. Content-Type (415): such a request's body must be application/json (a request without a
+   body may have no Content-Type), so the cross-site text/plain or form POST a browser sends
+   without a CORS preflight never reaches a handler.
 5. Body size (413): a Content-Length over the limit is refused before anything is read; a body
    without one is counted as it arrives and refused once over. The body (at most the limit) is
    read here and handed on whole; a client that disconnects mid-upload is one log line.
@@ -123,9 +124,19 @@ def incident(detail: str, where: str, exc: Optional[BaseException] = None) -> st
     return f"internal server error (see the server log, id {ident})"
 
 
-def internal_error(where: str, detail: str, exc: Optional[BaseException] = None) -> JSONResponse:
-    """The 500 response of a server fault, its details logged (`incident`)."""
-    return JSONResponse(error_body(500, incident(detail, where, exc)), status_code=500)
+def internal_error(scope, detail: str, exc: Optional[BaseException] = None) -> JSONResponse:
+    """The 500 response to the request `scope` of a server fault, its details logged."""
+    return JSONResponse(error_body(500, incident(detail, _where(scope), exc)), status_code=500)
+
+
+def _where(scope) -> str:
+    """"METHOD /path" for the log (escaped: a decoded path may hold a newline)."""
+    return f"{scope['method']} {ascii(scope['path'])[1:-1]}"
+
+
+def _quote(value: Optional[str]) -> str:
+    """A client's header value as an error message quotes it: repr, at most 100 characters."""
+    return repr(value if value is None or len(value) <= 100 else value[:100] + "...")
 
 
 # -- the middleware ----------------------------------------------------------------------------
@@ -140,14 +151,15 @@ class Guard:
         self.app, self.policy = app, policy
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":    # no route takes one: refused before any check
+            return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         p, headers = self.policy, Headers(scope=scope)
-        method, path = scope["method"], scope["path"]
-        where = f"{method} {path}"
+        method, path, where = scope["method"], scope["path"], _where(scope)
         unsafe = method not in SAFE_METHODS
-        refusal = self._refusal(headers, method, path, unsafe)
         declared = _content_length(headers)
+        refusal = self._refusal(headers, method, path, unsafe, declared)
         if refusal is None and declared is not None and declared > p.max_body_bytes:
             refusal = _too_large(declared, p.max_body_bytes)
         if refusal is not None:   # a body left unread and over the limit: not worth draining
@@ -181,13 +193,13 @@ class Guard:
             if not started:
                 await _respond(send, 500, message)
 
-    def _refusal(self, headers: Headers, method: str, path: str,
-                 unsafe: bool) -> Optional[Tuple[int, str, Optional[str]]]:
+    def _refusal(self, headers: Headers, method: str, path: str, unsafe: bool,
+                 declared: Optional[int]) -> Optional[Tuple[int, str, Optional[str]]]:
         """(status, message, param) of the first check the request fails, or None."""
         p = self.policy
         host = headers.get("host")
         if p.hosts is not None and (host is None or hostname(host) not in p.hosts):
-            return (421, f"this server does not answer for the host {host!r}: it accepts "
+            return (421, f"this server does not answer for the host {_quote(host)}: it accepts "
                          f"{', '.join(sorted(p.hosts))} (add names with --allowed-host)", None)
         if p.api_keys and not (method == "GET" and path in OPEN_PATHS) \
                 and not p.key_ok(headers.get("authorization")):
@@ -198,13 +210,17 @@ class Guard:
         origin = headers.get("origin")
         if origin is not None and p.origins is not None and \
                 _origin_host(origin) not in p.origins:
-            return (403, f"cross-site requests are refused: the Origin {origin!r} is not one of "
-                         f"{', '.join(sorted(p.origins))} (add names with --allowed-host)", None)
-        ctype = headers.get("content-type", "")
-        if ctype.split(";")[0].strip().lower() != "application/json":
+            return (403, f"cross-site requests are refused: the Origin {_quote(origin)} is not "
+                         f"one of {', '.join(sorted(p.origins))} (add names with "
+                         f"--allowed-host)", None)
+        ctype = headers.get("content-type")
+        has_body = bool(declared) or "transfer-encoding" in headers
+        if (has_body or ctype is not None) and \
+                (ctype or "").split(";")[0].strip().lower() != "application/json":
             return (415, f"the body must be JSON with the header 'Content-Type: "
-                         f"application/json', got {ctype or 'no Content-Type'!r}", None)
-        return None
+                         f"application/json', got {_quote(ctype) if ctype else 'no Content-Type'}",
+                    None)
+        return None     # (a POST without a body, as clients send to body-less routes, passes)
 
 
 def _origin_host(origin: str) -> Optional[str]:
