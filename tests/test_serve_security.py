@@ -121,8 +121,9 @@ def test_a_cross_site_text_plain_post_cannot_drive_update_weights(server, http, 
                   headers={"Content-Type": "text/plain"})
     assert r.status_code == 415, r.text
     assert _version(http, url) == before                    # nothing was loaded
-    r = http.post(url + "/update_weights")   # no body (as clients POST to body-less routes)
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body:"), r.text
+    for h in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):   # an empty body
+        r = http.post(url + "/update_weights", headers=h)  # (requests' / urllib's body-less POST)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body:"), r.text
     r = http.post(url + "/update_weights", content=body,
                   headers={"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["success"], r.text

@@ -8,9 +8,9 @@ docs/serving.md, "Security"). In the order it checks, each refusal an OpenAI-sty
    (sha256 digests compared in constant time).
 3. Origin (403): a browser's request from another site (an Origin header naming a host not
    allowed) is refused on every route that changes state (any method but GET, HEAD, OPTIONS).
-4. Content-Type (415): such a request's body must be application/json (a request without a
-   body may have no Content-Type), so the cross-site text/plain or form POST a browser sends
-   without a CORS preflight never reaches a handler.
+4. Content-Type (415): such a request's body, unless empty, must be application/json, so the
+   cross-site text/plain or form POST a browser sends without a CORS preflight never reaches a
+   handler.
 5. Body size (413): a Content-Length over the limit is refused before anything is read; a body
    without one is counted as it arrives and refused once over. The body (at most the limit) is
    read here and handed on whole; a client that disconnects mid-upload is one log line.
@@ -215,12 +215,11 @@ class Guard:
                          f"--allowed-host)", None)
         ctype = headers.get("content-type")
         has_body = bool(declared) or "transfer-encoding" in headers
-        if (has_body or ctype is not None) and \
-                (ctype or "").split(";")[0].strip().lower() != "application/json":
+        if has_body and (ctype or "").split(";")[0].strip().lower() != "application/json":
             return (415, f"the body must be JSON with the header 'Content-Type: "
                          f"application/json', got {_quote(ctype) if ctype else 'no Content-Type'}",
                     None)
-        return None     # (a POST without a body, as clients send to body-less routes, passes)
+        return None     # an empty body (a body-less route's POST) carries nothing to misread
 
 
 def _origin_host(origin: str) -> Optional[str]:
