@@ -163,12 +163,12 @@ def _serve_ranks(args, groups) -> None:
         [] if c.eos_token_id is None else [c.eos_token_id]
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.hf)) if args.hf
                                       else args.preset)
-    security = Security.for_server(args.host, api_keys=args.api_key or (),
-                                   allowed_hosts=args.allowed_host,
-                                   max_body_bytes=args.max_body_bytes or
-                                   default_body_limit(context))
     st = ServeState(service, codec, name, context, c.vocab_size,
-                    sorted(set(eos) | set(codec.eos_ids())), args.max_n, security=security)
+                    sorted(set(eos) | set(codec.eos_ids())), args.max_n)
+    st.security = Security.for_server(args.host, api_keys=args.api_key or (),
+                                      allowed_hosts=args.allowed_host,
+                                      max_body_bytes=args.max_body_bytes or
+                                      default_body_limit(context))
     serve(st, args.host, args.port, args.graceful_timeout)
 
 
