@@ -87,7 +87,8 @@ BAD = [  # (path, body (dict, or raw bytes), status, words the message must hold
 @pytest.mark.parametrize("path, body, status, words", BAD,
                          ids=[f"{p}:{w[:30]}" for p, _, _, w in BAD])
 def test_bad_requests_get_a_4xx_naming_the_problem(server, http, path, body, status, words):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
     r = http.post(server.url + path, **kw)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"], r.json()

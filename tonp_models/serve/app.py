@@ -4,7 +4,9 @@ each dialect (common_api: /health, /v1/models, /metrics; openai_api: /v1/complet
 
 Handlers are module-level functions that find the server's `ServeState` in
 `http.app.state.serve`. Every error is a JSON body {"error": {"message", "type", "param",
-"code"}} with a 4xx status when the request was at fault, and the server keeps serving.
+"code"}} with a 4xx status when the request was at fault, and the server keeps serving; a 500
+says only where the server log has its details. In front of every route, security.py's `Guard`
+checks the Host, the API key, the Origin, the Content-Type and the body size.
 """
 from __future__ import annotations
 
@@ -18,14 +20,15 @@ from fastapi.responses import JSONResponse
 from . import common_api, openai_api, sglang_api, weights_api
 from .calls import ServeState
 from .protocol import ApiError
+from .security import Guard, error_body, internal_error
 
 __all__ = ["ServeState", "create_app"]
 
 
-async def _api_error(_, e: ApiError):
-    kind = "invalid_request_error" if e.status < 500 else "server_error"
-    return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param,
-                                   "code": e.status}}, status_code=e.status)
+async def _api_error(http, e: ApiError):
+    if e.status == 500:     # a server fault: its details go to the server log, not the client
+        return internal_error(http.scope, e.message)
+    return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
 
 
 def create_app(st: ServeState, ready: Optional[str] = None,
@@ -54,6 +57,7 @@ def create_app(st: ServeState, ready: Optional[str] = None,
     app = FastAPI(title="tonp rollout service", lifespan=lifespan)
     app.state.serve = st
     app.add_exception_handler(ApiError, _api_error)
+    app.add_middleware(Guard, policy=st.security)
     for api in (common_api, openai_api, sglang_api, weights_api):
         app.include_router(api.router)
     return app

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import Request as HttpRequest
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine import Request, SamplingParams
 from . import formats as fmt
 from .protocol import ApiError, check_n, max_new_tokens, sampling_params
+from .security import Security, error_body, incident
 from .service import EngineService
 from .text import StopText, TextCodec
 
@@ -40,6 +41,7 @@ class ServeState:
     max_logprobs: int = 20            # top / prompt logprobs a request may ask for
     max_prompt_chars: Optional[int] = None   # a text prompt's characters (None: 32 x context)
     ids: Any = None
+    security: Security = field(default_factory=Security)   # what security.Guard enforces
 
     def __post_init__(self):
         self.ids = itertools.count()
@@ -263,10 +265,10 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _stream_error(c: fmt.Choice) -> Dict:
-    return {"error": {"message": str(c.error), "type": "invalid_request_error"
-                      if isinstance(c.error, ValueError) else "server_error",
-                      "code": 400 if isinstance(c.error, ValueError) else 500}}
+def _stream_error(call: Call, c: fmt.Choice) -> Dict:
+    if isinstance(c.error, ValueError):
+        return error_body(400, str(c.error))
+    return error_body(500, incident(str(c.error), f"{call.rid} choice {c.index}"))
 
 
 async def stream(call: Call, chunks: Callable) -> AsyncIterator[str]:
@@ -277,7 +279,7 @@ async def stream(call: Call, chunks: Callable) -> AsyncIterator[str]:
             new = slice(sent[c.index], len(c.tokens))
             sent[c.index] = len(c.tokens)
             if c.error is not None:
-                yield sse(_stream_error(c))
+                yield sse(_stream_error(call, c))
                 continue
             for obj in chunks(c, new):
                 yield sse(obj)
