@@ -19,12 +19,14 @@ from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
 
 from ..engine import Request, SamplingParams
+from ..generation import _request_ids
 from . import formats as fmt
 from .protocol import ApiError, check_n, max_new_tokens, sampling_params
 from .service import EngineService
 from .text import TextCodec
 
 Prompt = Union[str, List[int]]      # text (tokenized by the server) or token ids
+Keys = Union[None, List[int], Callable[[List[List[int]], int], List[int]]]
 
 
 @dataclass
@@ -93,27 +95,35 @@ async def encode(st: ServeState, text: str, what: str) -> List[int]:
 
 
 async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prompt]], n: int,
-                     s: Sampling, keys: Optional[List[int]] = None,
+                     s: Union[Sampling, List[Sampling]], keys: Keys = None,
                      keys_name: str = "request_ids") -> Tuple["Call", List[int]]:
     """The one way a body becomes engine requests: each (name, prompt) to token ids, n choices
-    each (consecutive), every value checked (400 naming it), queued. keys: the noise key of each
-    sequence (default 0..); every prompt and choice shares one seed. -> (call, prompt lengths)."""
+    each (consecutive), every value checked (400 naming it), queued. s: one Sampling, or one per
+    prompt. keys: the noise key of each sequence: None (0..), the client's (generate's
+    request_ids rule: distinct ints in [0, 2**63)), or a function (token ids of each prompt, n)
+    -> keys derived by the server (each in [0, 2**63), repeats allowed). Every prompt and
+    choice whose Sampling has no seed shares one drawn seed. -> (call, prompt lengths)."""
     ids = [await encode(st, p, what) if isinstance(p, str) else list(p) for what, p in prompts]
     check_n(n, len(ids), st.max_n)
     n_req = len(ids) * n
-    given = keys
-    keys = list(range(n_req)) if keys is None else keys
-    if len(keys) != n_req or len(set(keys)) != n_req or min(keys, default=0) < 0:
-        raise ApiError(400, f"{keys_name} must be {n_req} distinct ints >= 0 (one per "
-                            f"prompt and sample), got {given}", keys_name)
-    seed, reqs, params = s.seed, [], []
-    for p in ids:
-        new = max_new_tokens(s.limit, len(p), st.context, s.limit_name)
-        sp = sampling_params(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed,
-                             max_new=new, eos=[] if s.ignore_eos else st.eos,
-                             stop_ids=s.stop_token_ids, top_logprobs=s.top_logprobs,
-                             vocab=st.vocab)
-        seed = sp.seed
+    if callable(keys):
+        keys = keys(ids, n)
+    else:
+        try:
+            keys = _request_ids(keys, n_req)
+        except (TypeError, ValueError) as e:
+            why = str(e).removeprefix("generate: ")
+            raise ApiError(400, f"{why} (one per prompt and sample)", keys_name) from None
+    ss = s if isinstance(s, list) else [s] * len(ids)
+    drawn, reqs, params = None, [], []
+    for p, si in zip(ids, ss):
+        new = max_new_tokens(si.limit, len(p), st.context, si.limit_name)
+        sp = sampling_params(temperature=si.temperature, top_p=si.top_p, top_k=si.top_k,
+                             seed=drawn if si.seed is None else si.seed, max_new=new,
+                             eos=[] if si.ignore_eos else st.eos, stop_ids=si.stop_token_ids,
+                             top_logprobs=si.top_logprobs, vocab=st.vocab)
+        if si.seed is None:
+            drawn = sp.seed
         reqs += [p] * n
         params += [sp] * n
     return Call(st, rid, reqs, params, keys), [len(p) for p in ids]

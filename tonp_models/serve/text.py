@@ -49,8 +49,9 @@ class TextCodec:
                                                   add_generation_prompt=True, **template_kwargs)
         return self.encode(text, "the chat")
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(list(ids))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "" if self.tokenizer is None else \
+            self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.tokenizer is None else self.decode([token_id])
