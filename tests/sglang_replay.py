@@ -3,7 +3,8 @@ a running server and counts the unique outputs of each prompt (SGLang's check ex
 
 Modes, as SGLang's: "single" (one prompt in batches of 1..N), "mixed" (two short prompts and a
 long one in one batch; here also shuffled), "prefix" (prompts that share a long prompt's first k
-characters, with POST /flush_cache, bodiless as SGLang sends it, before each trial). Every body
+characters, with POST /flush_cache, bodiless as SGLang sends it, before each trial; its answers
+are in `Report.flushes`, and SGLang's script ignores them). Every body
 is SGLang's: `text` (a list), `sampling_params` {temperature, max_new_tokens, frequency_penalty
 0.0, presence_penalty 0.0, sampling_seed}, `return_logprob`, `stream`.
 
@@ -134,6 +135,7 @@ class Report:
     """The samples of each prompt (by name) and the prompt texts."""
     prompts: Dict[str, str] = field(default_factory=dict)
     samples: Dict[str, List[Sample]] = field(default_factory=dict)
+    flushes: List[Tuple[int, str]] = field(default_factory=list)   # /flush_cache answers
 
     def add(self, name: str, text: str, result: dict) -> None:
         self.prompts[name] = text
@@ -171,9 +173,7 @@ def prefix(args: Args) -> Report:
     prompts = {f"prefix_{k}": long[:k] for k in args.prefix_lens}
     names = list(prompts)
     for bs in range(1, args.n_trials + 1):
-        status, text = post(args.url, "/flush_cache", None, args.timeout)
-        if status != 200:
-            raise ReplayError(f"/flush_cache answered {status}: {text}")
+        rep.flushes.append(post(args.url, "/flush_cache", None, args.timeout))
         batch = [rng.choice(names) for _ in range(bs)]
         for name, r in zip(batch, send(args, [prompts[x] for x in batch])):
             rep.add(name, prompts[name], r)
@@ -196,8 +196,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     args = Args(a.url, a.temperature, None if a.sampling_seed == -1 else a.sampling_seed,
                 a.max_new_tokens, a.return_logprob, a.stream, a.n_trials)
-    worst = 1
-    for name, (n, texts, ids, lps) in MODES[a.mode](args).unique().items():
+    worst, rep = 1, MODES[a.mode](args)
+    for status, text in rep.flushes:
+        if status != 200:
+            print(f"warning: /flush_cache answered {status}: {text}")
+    for name, (n, texts, ids, lps) in rep.unique().items():
         print(f"{name}: total samples: {n}, unique samples: {texts} (texts), {ids} (token ids),"
               f" {lps} (logprob sequences)")
         worst = max(worst, texts, ids, lps)
