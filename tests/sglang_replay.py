@@ -4,7 +4,8 @@ a running server and counts the unique outputs of each prompt (SGLang's check ex
 Modes, as SGLang's: "single" (one prompt in batches of 1..N), "mixed" (two short prompts and a
 long one in one batch; here also shuffled), "prefix" (prompts that share a long prompt's first k
 characters, with POST /flush_cache, bodiless as SGLang sends it, before each trial; its answers
-are in `Report.flushes`, and SGLang's script ignores them). Every body
+are in `Report.flushes`, and SGLang's script ignores them); and its newer "p_vs_d" (decode vs
+prefill logprobs of the same sequences, `logprob_start_len` 0) and "radix_cache". Every body
 is SGLang's: `text` (a list), `sampling_params` {temperature, max_new_tokens, frequency_penalty
 0.0, presence_penalty 0.0, sampling_seed}, `return_logprob`, `stream`.
 
@@ -95,6 +96,7 @@ class Args:
     prefix_lens: Tuple[int, ...] = PREFIX_LENS
     long_chars: int = 5000
     rng_seed: int = 0
+    vocab: int = 50000          # radix_cache's random prompt ids lie below it
     timeout: float = 300.0
 
 
@@ -180,7 +182,72 @@ def prefix(args: Args) -> Report:
     return rep
 
 
-MODES = {"single": single, "mixed": mixed, "prefix": prefix}
+def _generate(args: Args, extra: dict) -> List[dict]:
+    body = {"return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": args.temperature, "max_new_tokens":
+                                args.max_new_tokens, "frequency_penalty": 0.0,
+                                "presence_penalty": 0.0}}
+    if args.sampling_seed is not None:
+        body["sampling_params"]["sampling_seed"] = args.sampling_seed
+    for k, v in extra.items():
+        if k == "sampling_params":
+            body[k] = dict(body[k], **v)
+        else:
+            body[k] = v
+    status, out = post(args.url, "/generate", body, args.timeout)
+    if status != 200:
+        raise ReplayError(f"/generate answered {status}: {out}")
+    return out if isinstance(out, list) else [out]
+
+
+def _pairs(entries) -> Tuple[Tuple[int, ...], Tuple[Optional[float], ...]]:
+    return tuple(e[1] for e in entries), tuple(e[0] for e in entries)
+
+
+def p_vs_d(args: Args) -> Report:
+    """SGLang's newer "p_vs_d" mode: generate (prompt logprobs from position 0 too), then feed
+    each whole sequence back as a prompt (cache flushed): the prefill's logprobs of every
+    position must equal what decoding reported. One request of n_trials prompts."""
+    rng, rep, long = random.Random(args.rng_seed), Report(), long_prompt(args.long_chars)
+    texts = [PROMPT_1, PROMPT_2]
+    while len(texts) < args.n_trials:
+        end = rng.randrange(1, len(long))
+        texts.append(long[rng.randrange(0, end) if rng.random() < 0.5 else 0:end])
+    texts = texts[:args.n_trials]
+    rep.flushes.append(post(args.url, "/flush_cache", None, args.timeout))
+    first = _generate(args, {"text": texts})
+    rep.flushes.append(post(args.url, "/flush_cache", None, args.timeout))
+    seqs = [_pairs(r["meta_info"]["input_token_logprobs"] + r["meta_info"]
+                   ["output_token_logprobs"]) for r in first]
+    again = _generate(args, {"input_ids": [list(ids) for ids, _ in seqs],
+                             "sampling_params": {"max_new_tokens": 1}})
+    for i, (t, (ids, lps), r) in enumerate(zip(texts, seqs, again)):
+        rep.prompts[f"seq_{i}"] = t
+        ids2, lps2 = _pairs(r["meta_info"]["input_token_logprobs"])
+        rep.samples[f"seq_{i}"] = [Sample("", ids, lps), Sample("", ids2, lps2)]
+    return rep
+
+
+def radix(args: Args, prefix_len: int = 100) -> Report:
+    """SGLang's newer "radix_cache" mode: the logprob of one token decoded, prefilled with the
+    prefix cache hit, and prefilled cold (SGLang expects only the last two to agree)."""
+    rng, rep = random.Random(42), Report()
+    ids = [rng.randint(min(100, args.vocab - 1), args.vocab - 1) for _ in range(prefix_len)]
+    _generate(args, {"input_ids": [1] * 64, "sampling_params": {"max_new_tokens": 65}})
+    rep.flushes.append(post(args.url, "/flush_cache", None, args.timeout))
+    a = _generate(args, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})[0]
+    prompt = ids + a["output_ids"][:-1]
+    hit = _generate(args, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})[0]
+    rep.flushes.append(post(args.url, "/flush_cache", None, args.timeout))
+    cold = _generate(args, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})[0]
+    rep.prompts["last_token"] = ""
+    rep.samples["last_token"] = [Sample("", *_pairs(r["meta_info"]["output_token_logprobs"]
+                                                    [-1:])) for r in (a, hit, cold)]
+    return rep
+
+
+MODES = {"single": single, "mixed": mixed, "prefix": prefix, "p_vs_d": p_vs_d,
+         "radix_cache": radix}
 
 
 def main(argv=None) -> int:
@@ -193,9 +260,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--return-logprob", action="store_true")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--vocab", type=int, default=50000, help="radix_cache's prompt ids < it")
     a = ap.parse_args(argv)
     args = Args(a.url, a.temperature, None if a.sampling_seed == -1 else a.sampling_seed,
-                a.max_new_tokens, a.return_logprob, a.stream, a.n_trials)
+                a.max_new_tokens, a.return_logprob, a.stream, a.n_trials, vocab=a.vocab)
     worst, rep = 1, MODES[a.mode](args)
     for status, text in rep.flushes:
         if status != 200:

@@ -1,7 +1,8 @@
 """SGLang's dialect on /generate, through the requests SGLang's own clients send (against
 `python -m tonp_models.serve` on a free loopback port, prefix caching and chunked prefill on).
 
-* SGLang's determinism check (tests/sglang_replay.py: single, mixed, prefix; greedy and seeded
+* SGLang's determinism check (tests/sglang_replay.py: single, mixed, prefix, and its newer
+  p_vs_d (prefill vs decode logprobs) and radix_cache; greedy and seeded
   with `sampling_seed`, `return_logprob`, streamed or not) finds one output per prompt, and
   every returned logprob is bit for bit the training forward's `token_logprobs`. Twin: a
   `--mode torch` server (stock ops) gives a prompt more than one logprob sequence.
@@ -10,8 +11,9 @@
 * The door: request_ids >= 2**63 is a 400 (it used to kill the engine thread); non-neutral
   values of the features tonp lacks are refused by name; neutral ones (as slime / SkyRL send
   them) are served.
-* /abort_request by rid (the partial result comes back with finish_reason "abort"), the info
-  routes, logprob_start_len, the stop-token trim of `text`.
+* logprob_start_len: input_token_logprobs bit for bit the training forward's, cold or cached.
+* /abort_request by rid (the partial result comes back with finish_reason "abort"),
+  /flush_cache, the info routes, stop strings and the stop-token trim of `text`.
 """
 from __future__ import annotations
 
@@ -55,39 +57,48 @@ def gen(http, server, body, status=200):
     return r.json()
 
 
-def check_logprobs(ckpt, rep: replay.Report, temperature: float) -> None:
+def score(seq, temperature: float) -> torch.Tensor:
+    """The training forward's logprobs of seq[1:] (fp32)."""
+    with torch.no_grad():
+        return tiny_model(torch.float32).token_logprobs(
+            [torch.tensor(list(seq))], temperature=temperature or 1.0)[0]
+
+
+def check_logprobs(ckpt, rep: replay.Report, mode: str, temperature: float) -> None:
     """Every prompt's (one) logprob sequence equals the training forward's, bit for bit."""
     from transformers import AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(ckpt), tiny_model(torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
     for name, samples in rep.samples.items():
-        p = tok(rep.prompts[name], add_special_tokens=False)["input_ids"]
         s = samples[0]
-        with torch.no_grad():
-            want = model.token_logprobs([torch.tensor(p + list(s.output_ids))],
-                                        temperature=temperature or 1.0)[0][len(p) - 1:]
-        assert_bitwise(torch.tensor(s.logprobs, dtype=torch.float32), want,
-                       f"{name}: served logprobs vs the training forward")
+        if mode == "p_vs_d":        # the whole sequence, position 0 without a logprob
+            got, want = s.logprobs[1:], score(s.output_ids, temperature)
+        else:
+            p = tok(rep.prompts[name], add_special_tokens=False)["input_ids"]
+            got, want = s.logprobs, score(p + list(s.output_ids), temperature)[len(p) - 1:]
+        assert_bitwise(torch.tensor(got, dtype=torch.float32), want,
+                       f"{mode} {name}: served logprobs vs the training forward")
 
 
-@pytest.mark.parametrize("mode", ["single", "mixed", "prefix"])
+@pytest.mark.parametrize("mode", ["single", "mixed", "prefix", "p_vs_d", "radix_cache"])
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_sglang_determinism_replay_finds_one_output_per_prompt(server, ckpt, mode, kind):
     kw = SAMPLINGS[kind]
-    args = replay.Args(server.url, return_logprob=True, **kw, **SMALL)
+    args = replay.Args(server.url, return_logprob=True, vocab=256, **kw, **SMALL)
     rep = replay.MODES[mode](args)
-    assert sum(n for n, *_ in rep.unique().values()) == 1 + 2 + 3 + 4     # batches of 1..4
+    want = {"p_vs_d": 2 * 4, "radix_cache": 3}.get(mode, 1 + 2 + 3 + 4)  # batches of 1..4
+    assert sum(n for n, *_ in rep.unique().values()) == want
     for name, (n, texts, ids, lps) in rep.unique().items():
         assert (texts, ids, lps) == (1, 1, 1), f"{mode} {kind}: {name} gave {n} samples with " \
             f"{texts} texts, {ids} id sequences, {lps} logprob sequences"
-    check_logprobs(ckpt, rep, kw["temperature"])
+    assert all(status == 200 for status, _ in rep.flushes), rep.flushes
+    if mode != "radix_cache":
+        check_logprobs(ckpt, rep, mode, kw["temperature"])
     if mode == "single" and kind == "seeded":     # streamed: SGLang's cumulative events
         args.stream = True
         streamed = replay.single(args)
         assert streamed.samples["prompt_1"][0] == rep.samples["prompt_1"][0]
 
 
-@pytest.mark.xfail(strict=True, reason="/flush_cache needs a seam on the engine thread: "
-                                       "EngineService.flush_cache (service.py, not this branch)")
 def test_flush_cache_empties_the_prefix_cache(server, http):
     gen(http, server, {"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 1}})
     assert metrics(http, server.url)["tonp_prefix_cache_pages"] > 0
@@ -142,7 +153,7 @@ def test_request_ids_beyond_the_noise_keys_are_refused_at_the_door(server, http)
 
 @pytest.mark.parametrize("field,value", [
     ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.1),
-    ("min_p", 0.05), ("min_new_tokens", 2), ("stop", ["\n"]), ("regex", "a+"),
+    ("min_p", 0.05), ("min_new_tokens", 2), ("stop_regex", ["a+"]), ("regex", "a+"),
     ("json_schema", "{}"), ("logit_bias", {"3": 1.0}), ("custom_params", {"k": 1}),
     ("spaces_between_special_tokens", False), ("stream_interval", 4), ("top_k", 0)])
 def test_non_neutral_sampling_values_are_refused_by_name(server, http, field, value):
@@ -176,13 +187,44 @@ def test_neutral_values_as_real_clients_send_them_are_served(server, http):
     assert e[1] == out[0]["output_ids"][0] and isinstance(e[2], str)
 
 
-def test_logprob_start_len(server, http):
-    body = {"input_ids": [1, 2, 3, 4], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    for start in (-1, 4):
+def test_input_token_logprobs_are_the_training_forwards_cold_or_cached(server, http):
+    """logprob_start_len k: SGLang's [logprob, id, text] from prompt position k (its first
+    logprob None), bit for bit the training forward's, the prefix cache cold or hit."""
+    prompt = list(range(30, 70))
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.7, "sampling_seed": 1}}
+    http.post(f"{server.url}/flush_cache")
+    for start in (0, 17, 17):       # cold, then a prefix-cache hit
+        r = gen(http, server, dict(body, logprob_start_len=start))
+        meta = r["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt[start:] and entries[0][0] is None
+        assert meta["input_top_logprobs"][0] is None
+        assert [len(t) for t in meta["input_top_logprobs"][1:]] == [2] * (len(prompt) - start - 1)
+        want = score(prompt + r["output_ids"], 0.7)
+        got = torch.tensor([e[0] for e in entries[1:]] +
+                           [e[0] for e in meta["output_token_logprobs"]], dtype=torch.float32)
+        assert_bitwise(got, want[start:], f"input + output logprobs from {start}")
+    assert meta["cached_tokens"] > 0
+    for start in (-1, len(prompt)):
         r = gen(http, server, dict(body, logprob_start_len=start))
         assert r["meta_info"]["input_token_logprobs"] == []
-    gen(http, server, dict(body, logprob_start_len=5), 400)
+    gen(http, server, dict(body, logprob_start_len=len(prompt) + 1), 400)
+
+
+def test_stop_strings_end_the_text_as_sglang_does(server, http):
+    p = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                        "skip_special_tokens": False}}
+    free = gen(http, server, p)
+    stop = free["text"][2:4]
+    cut = free["text"].index(stop)
+    r = gen(http, server, dict(p, sampling_params=dict(p["sampling_params"], stop=[stop])))
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["text"] == free["text"][:cut]
+    assert free["output_ids"][:len(r["output_ids"])] == r["output_ids"]
+    kept = gen(http, server, dict(p, sampling_params=dict(p["sampling_params"], stop=stop,
+                                                          no_stop_trim=True)))
+    assert kept["text"] == free["text"][:cut + len(stop)]
 
 
 def test_text_trims_the_matched_stop_token_unless_no_stop_trim(server, http, ckpt):
@@ -230,5 +272,6 @@ def test_info_routes(server, http):
     s = http.get(f"{server.url}/get_server_info").json()
     assert (s["context_length"], s["tp_size"], s["dp_size"], s["max_running_requests"],
             s["chunked_prefill_size"]) == (1024, 1, 1, 8, 24)
-    assert http.get(f"{server.url}/server_info").json()["max_total_num_tokens"] > 0
+    assert s["max_total_num_tokens"] > 0
+    assert http.get(f"{server.url}/model_info").json() == m
     assert http.get(f"{server.url}/health_generate").status_code == 200

@@ -25,6 +25,7 @@ from tonp_parallel import group_device
 
 from ..layers import CacheFullError
 from .prefix_cache import PrefixCache
+from .prompt_logprobs import score_prompt
 from .request import EngineStats, Request, StepOutput
 from .sampling import pick
 from .scheduler import Scheduler
@@ -102,6 +103,8 @@ class Engine:
         if r.key in self.requests:
             raise ValueError(f"{self.who}: a request with key {r.key!r} is already queued")
         self.check(r)
+        if r.params.prompt_logprobs is not None:   # a forward: every lockstep rank adds it too
+            r.prompt_logprobs = score_prompt(self.who, self.model, r)
         self.requests[r.key] = r
         self.stats.prompt_tokens += r.prompt_len
         if r.params.max_new_tokens == 0:

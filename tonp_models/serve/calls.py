@@ -23,7 +23,7 @@ from ..generation import _request_ids
 from . import formats as fmt
 from .protocol import ApiError, check_n, max_new_tokens, sampling_params
 from .service import EngineService
-from .text import TextCodec
+from .text import StopText, TextCodec
 
 Prompt = Union[str, List[int]]      # text (tokenized by the server) or token ids
 Keys = Union[None, List[int], Callable[[List[List[int]], int], List[int]]]
@@ -38,10 +38,14 @@ class ServeState:
     vocab: int
     eos: List[int]        # default end-of-sequence ids (the config's and the tokenizer's)
     max_n: int
+    max_logprobs: int = 20            # top / prompt logprobs a request may ask for
+    max_prompt_chars: Optional[int] = None   # a text prompt's characters (None: 32 x context)
     ids: Any = None
 
     def __post_init__(self):
         self.ids = itertools.count()
+        if self.max_prompt_chars is None:
+            self.max_prompt_chars = 32 * self.context
 
 
 def state(http: HttpRequest) -> ServeState:
@@ -84,12 +88,45 @@ class Sampling:
     ignore_eos: bool = False
     stop_token_ids: Optional[List[int]] = None
     top_logprobs: int = 0
+    top_name: str = "logprobs"
+    prompt_logprobs: Optional[int] = None    # also score the prompt, with its top k
+    stop: Optional[List[str]] = None         # stop strings (vLLM's semantics: text.StopText)
+    include_stop: bool = False
+    skip_special: bool = True
+    add_special: bool = False                # tokenize text prompts with special tokens
 
 
-async def encode(st: ServeState, text: str, what: str) -> List[int]:
-    """Text -> token ids, off the event loop (a long prompt does not stall other requests)."""
+MAX_STOPS = 64
+
+
+def check_text(st: ServeState, text: str, what: str, param: str = "prompt") -> None:
+    """The prompt-length bound, checked before any tokenizing (a token has >= 1 character)."""
+    if len(text) > st.max_prompt_chars:
+        raise ApiError(400, f"{what} has {len(text)} characters, over the server's limit of "
+                            f"{st.max_prompt_chars} (--max-prompt-chars)", param)
+
+
+def stop_strings(st: ServeState, stop) -> Optional[List[str]]:
+    """The request's stop strings, checked: non-empty, at most MAX_STOPS, each within the
+    prompt bound; they need the checkpoint's tokenizer (to see the text)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not stops:
+        return None
+    if st.codec.tokenizer is None:
+        raise ApiError(400, "stop strings need the checkpoint's tokenizer, and this model has "
+                            "none (use stop_token_ids)", "stop")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > st.max_prompt_chars for s in stops):
+        raise ApiError(400, f"stop must be at most {MAX_STOPS} non-empty strings of at most "
+                            f"{st.max_prompt_chars} characters each", "stop")
+    return stops
+
+
+async def encode(st: ServeState, text: str, what: str, add_special: bool = False) -> List[int]:
+    """Text -> token ids, bounded first, off the event loop (a long prompt does not stall
+    other requests)."""
+    check_text(st, text, what)
     try:
-        return await asyncio.to_thread(st.codec.encode, text, what)
+        return await asyncio.to_thread(st.codec.encode, text, what, add_special)
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from None
 
@@ -103,7 +140,9 @@ async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prom
     request_ids rule: distinct ints in [0, 2**63)), or a function (token ids of each prompt, n)
     -> keys derived by the server (each in [0, 2**63), repeats allowed). Every prompt and
     choice whose Sampling has no seed shares one drawn seed. -> (call, prompt lengths)."""
-    ids = [await encode(st, p, what) if isinstance(p, str) else list(p) for what, p in prompts]
+    ss = s if isinstance(s, list) else [s] * len(prompts)
+    ids = [await encode(st, p, what, si.add_special) if isinstance(p, str) else list(p)
+           for (what, p), si in zip(prompts, ss)]
     check_n(n, len(ids), st.max_n)
     n_req = len(ids) * n
     if callable(keys):
@@ -114,30 +153,36 @@ async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prom
         except (TypeError, ValueError) as e:
             why = str(e).removeprefix("generate: ")
             raise ApiError(400, f"{why} (one per prompt and sample)", keys_name) from None
-    ss = s if isinstance(s, list) else [s] * len(ids)
-    drawn, reqs, params = None, [], []
+    drawn, reqs, params, stops = None, [], [], []
     for p, si in zip(ids, ss):
         new = max_new_tokens(si.limit, len(p), st.context, si.limit_name)
         sp = sampling_params(temperature=si.temperature, top_p=si.top_p, top_k=si.top_k,
                              seed=drawn if si.seed is None else si.seed, max_new=new,
                              eos=[] if si.ignore_eos else st.eos, stop_ids=si.stop_token_ids,
-                             top_logprobs=si.top_logprobs, vocab=st.vocab)
+                             top_logprobs=si.top_logprobs, vocab=st.vocab,
+                             prompt_logprobs=si.prompt_logprobs, max_logprobs=st.max_logprobs,
+                             top_name=si.top_name)
         if si.seed is None:
             drawn = sp.seed
         reqs += [p] * n
         params += [sp] * n
-    return Call(st, rid, reqs, params, keys), [len(p) for p in ids]
+        stops += [StopText(st.codec, si.stop, si.include_stop, si.skip_special) if si.stop
+                  else None for _ in range(n)]
+    return Call(st, rid, reqs, params, keys, stops), [len(p) for p in ids]
 
 
 class Call:
     """The engine requests of one HTTP request and their outputs, in `choices`."""
 
     def __init__(self, st: ServeState, rid: str, prompts: List[List[int]],
-                 params: List[SamplingParams], noise_keys: List[int]):
+                 params: List[SamplingParams], noise_keys: List[int],
+                 stops: Optional[List[Optional[StopText]]] = None):
         self.st, self.rid = st, rid
         if not st.service.healthy:
             raise ApiError(503, f"the server cannot generate: {st.service.error}")
-        self.choices = [fmt.Choice(i, len(p)) for i, p in enumerate(prompts)]
+        stops = stops or [None] * len(prompts)
+        self.choices = [fmt.Choice(i, len(p), prompt=list(p), stop=s)
+                        for i, (p, s) in enumerate(zip(prompts, stops))]
         reqs = [Request(next(st.ids), list(p), s, noise_key=k, name=f"{rid} choice {i}")
                 for i, (p, s, k) in enumerate(zip(prompts, params, noise_keys))]
         for r in reqs:
@@ -151,8 +196,9 @@ class Call:
         loop = asyncio.get_running_loop()
 
         def sink(out):  # on the engine thread: hand a copy of the news to the event loop
-            news = (out.request.key, out.token, out.logprob, out.top_logprobs, out.finish,
-                    out.request.error, out.request.cache_hit, st.service.weight_version)
+            r = out.request
+            news = (r.key, out.token, out.logprob, out.top_logprobs, out.finish, r.error,
+                    r.cache_hit, st.service.weight_version, r.prompt_logprobs)
             with contextlib.suppress(RuntimeError):       # the loop closed: nobody listens
                 loop.call_soon_threadsafe(self.queue.put_nowait, news)
         try:
@@ -170,17 +216,27 @@ class Call:
                     return
                 checked = time.monotonic()
             try:
-                key, tok, lp, top, finish, err, hit, version = \
+                key, tok, lp, top, finish, err, hit, version, plp = \
                     await asyncio.wait_for(self.queue.get(), 0.1)
             except asyncio.TimeoutError:
                 continue
+            if key not in self.open:        # news after a stop string ended it: not its own
+                continue
             c = self.choices[self.index[key]]
-            c.cache_hit, c.weight_version = hit, version
+            c.cache_hit, c.weight_version, c.prompt_logprobs = hit, version, plp
             if tok is not None:
                 c.tokens.append(tok)
                 c.logprobs.append(lp)
                 c.tops.append(top)
+                if c.stop is not None and c.stop.add([tok], final=bool(finish)) is not None:
+                    if not finish:                  # free its slot and pages now
+                        self.st.service.abort([key])
+                    finish, c.stop_reason = "stop", c.stop.hit
+            elif finish and c.stop is not None:
+                c.stop.add([], final=True)          # flush a held-back incomplete character
             if finish:
+                if finish == "stop" and c.stop_reason is None and c.tokens:
+                    c.stop_reason = c.tokens[-1]        # a stop token id
                 c.finish, c.error = finish, err
                 self.open.discard(key)
             yield c

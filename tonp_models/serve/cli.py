@@ -48,6 +48,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="tokens a forward feeds at most (chunked prefill; default: no limit)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--max-n", type=int, default=64, help="sequences one request may ask for")
+    ap.add_argument("--max-logprobs", type=int, default=20,
+                    help="top (and prompt) logprobs a request may ask for (-1 = the vocab)")
+    ap.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="characters of a text prompt, checked before tokenizing "
+                         "(default: 32 x max-model-len)")
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant",
                     help="kernel mode (torch: stock ops, for comparison)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank")
@@ -148,7 +153,9 @@ def _serve_ranks(args, groups) -> None:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.hf)) if args.hf
                                       else args.preset)
     st = ServeState(service, codec, name, context, c.vocab_size,
-                    sorted(set(eos) | set(codec.eos_ids())), args.max_n)
+                    sorted(set(eos) | set(codec.eos_ids())), args.max_n,
+                    c.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
+                    args.max_prompt_chars)
     serve(st, args.host, args.port, args.graceful_timeout)
 
 

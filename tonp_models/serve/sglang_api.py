@@ -1,11 +1,13 @@
 """SGLang's native routes: /generate (its GenerateReqInput dialect, sglang_protocol.py),
 /abort_request, /flush_cache, /get_model_info, /get_server_info and /health_generate.
 
-Seeds. `sampling_params.sampling_seed` (SGLang's) keys each request's sampling noise by its
-prompt (a digest of its token ids): one (prompt, seed) gives one output wherever the prompt sits
-in whatever batch, and its n copies are equal (as in SGLang, whose seeded noise is a hash of the
-seed and the position only). tonp's `seed` keys the noise by each sequence's index in the
-request, or by tonp's `request_ids` where given (they keep their meaning with sampling_seed).
+Seeds. With `sampling_params.sampling_seed` (SGLang's) every request draws with one fixed noise
+key, so its noise is a hash of the seed, the position and the token only, as SGLang's: one
+(prompt, seed) gives one output wherever the prompt sits in whatever batch, its n copies are
+equal, and a request continuing a sequence (prompt + the tokens so far, e.g. an aborted rollout
+resumed) draws what the whole request drew. tonp's `seed` keys the noise by each sequence's
+index in the request, or by tonp's `request_ids` where given (they keep their meaning with
+sampling_seed).
 """
 from __future__ import annotations
 
@@ -15,25 +17,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..checks import digest
 from . import formats as fmt
-from .calls import Call, encode, parse, start_call, state, stream
+from .calls import Call, encode, parse, start_call, state, stop_strings, stream
 from .protocol import ApiError
 from .sglang_protocol import (AbortRequest, SGLangGenerate, SGLangSampling, per_prompt,
                               refuse_non_neutral, result, sampling)
 
 router = APIRouter()
 
-NOISE_KEYS = 2**63    # noise keys lie in [0, 2**63) (the sampling kernel's int64)
-
-
-def prompt_key(ids: List[int]) -> int:
-    """The noise key of a prompt under sampling_seed: a digest of its token ids."""
-    return digest("sglang sampling_seed", torch.tensor(ids, dtype=torch.int64)) % NOISE_KEYS
+# The noise key of every sampling_seed request (in [0, 2**63), the sampling kernel's int64),
+# apart from the keys 0.. of tonp's own requests.
+SEEDED_KEY = digest("sglang sampling_seed") % 2**63
 
 
 @dataclass
@@ -89,24 +87,25 @@ async def generate(http: Request):
     want = per_prompt(body.return_logprob, False, count, n, "return_logprob")
     starts = per_prompt(body.logprob_start_len, -1, count, n, "logprob_start_len")
     tops = per_prompt(body.top_logprobs_num, 0, count, n, "top_logprobs_num")
+    first = []          # each prompt's first position in input_token_logprobs
     for i, (w, s0) in enumerate(zip(want, starts)):
         if w and not -1 <= s0 <= len(ids[i]):
-            raise ApiError(400, f"logprob_start_len={s0} must be in [-1, {len(ids[i])}] (the "
-                                f"prompt has {len(ids[i])} tokens)", "logprob_start_len")
-        if w and s0 not in (-1, len(ids[i])):
-            raise ApiError(400, "logprob_start_len: prompt logprobs are not supported by this "
-                                "server yet (use -1)", "logprob_start_len")
+            raise ApiError(400, f"logprob_start_len={s0} is beyond the prompt's {len(ids[i])} "
+                                f"tokens (-1: none of the prompt)", "logprob_start_len")
+        first.append(len(ids[i]) if not w or s0 == -1 else s0)
     rids = _rids(body.rid, count, batch)
     if any(r in live.calls for r in rids):
         raise ApiError(400, f"a request with rid {next(r for r in rids if r in live.calls)!r} "
                             f"is running", "rid")
     seeded = [sp.sampling_seed is not None for sp in sps]
-    keys = body.request_ids
-    if keys is None and any(seeded):
-        def keys(prompts, n):   # SGLang's: one output per (prompt, seed)
-            return [prompt_key(p) if seeded[i] else i * n + j
-                    for i, p in enumerate(prompts) for j in range(n)]
-    ss = [sampling(sp, t if w else 0) for sp, t, w in zip(sps, tops, want)]
+
+    def seed_keyed(prompts, n):     # SGLang's seeds: noise by (seed, position, token) only
+        return [SEEDED_KEY if seeded[i] else i * n + j
+                for i in range(len(prompts)) for j in range(n)]
+    keys = seed_keyed if body.request_ids is None and any(seeded) else body.request_ids
+    # prompt logprobs (the engine scores the prompt) when a position after `first` needs one
+    ss = [sampling(sp, t if w else 0, stop_strings(st, sp.stop), t if f < len(p) - 1 else None)
+          for sp, t, w, f, p in zip(sps, tops, want, first, ids)]
     call, _ = await start_call(st, rids[0], [("input_ids", p) for p in ids], n, ss, keys=keys)
     for i, r in enumerate(rids):
         live.calls[r] = (call, list(range(i * n, (i + 1) * n)))
@@ -116,9 +115,8 @@ async def generate(http: Request):
         return result(st.codec, c, rids[i] if n == 1 else f"{rids[i]}_{c.index % n}",
                       logprobs=want[i], text_in_lps=body.return_text_in_logprobs,
                       top=tops[i], skip_special=sp.skip_special_tokens is not False,
-                      no_stop_trim=bool(sp.no_stop_trim), final=c.finish is not None,
-                      prompt=(ids[i], len(ids[i]), None),
-                      prompt_ids=ids[i] if body.return_prompt_token_ids else None)
+                      no_stop_trim=bool(sp.no_stop_trim), start=first[i],
+                      prompt_ids=body.return_prompt_token_ids)
 
     def done() -> Set[str]:
         for r in rids:
@@ -169,13 +167,13 @@ async def abort_request(http: Request):
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(http: Request):
-    """SGLang's: forget the prefix cache when no request is running or waiting (400 otherwise,
-    as SGLang's); plain text."""
-    flush = getattr(state(http).service, "flush_cache", None)
-    if flush is None:
-        raise ApiError(501, "/flush_cache needs EngineService.flush_cache, which this build "
-                            "lacks")
-    ok, message = await asyncio.wrap_future(flush())
+    """SGLang's: forget the prefix cache (plain text). SGLang refuses (400) while requests run;
+    tonp's running requests keep their pages, so the flush always happens."""
+    try:
+        fut = state(http).service.flush_cache()
+    except RuntimeError as e:
+        raise ApiError(503, str(e)) from None
+    ok, message = await asyncio.wrap_future(fut)
     return PlainTextResponse("Cache flushed.\n" if ok else message + "\n",
                              status_code=200 if ok else 400)
 
@@ -193,9 +191,9 @@ async def model_info(http: Request):
 
 
 @router.get("/get_server_info")
-@router.get("/server_info")
 async def server_info(http: Request):
-    """What SGLang's clients read of its server args (slime compares some with its own)."""
+    """What SGLang's clients read of its server args (slime compares some with its own).
+    SGLang's newer alias /server_info is vLLM's route here (common_api)."""
     st = state(http)
     e = st.service.engine
     groups = getattr(e.model, "groups", None)

@@ -7,7 +7,7 @@ its neutral value and refused by name at any other (400), never silently ignored
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -125,12 +125,11 @@ def refuse_non_neutral(body: SGLangGenerate, sps: List[SGLangSampling]) -> None:
             if v is not None and v not in ok:
                 raise ApiError(400, f"sampling_params.{name}={v!r} is not supported by this "
                                     f"server (only {ok[0]!r})", f"sampling_params.{name}")
-        for name in ("stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
+        for name in ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
                      "custom_params", "logit_bias"):
             if not _unset(getattr(sp, name)):
-                hint = " (use stop_token_ids)" if name == "stop" else ""
-                raise ApiError(400, f"sampling_params.{name} is not supported by this "
-                                    f"server{hint}", f"sampling_params.{name}")
+                raise ApiError(400, f"sampling_params.{name} is not supported by this server",
+                               f"sampling_params.{name}")
         if sp.seed is not None and sp.sampling_seed is not None:
             raise ApiError(400, "give one of sampling_params.seed (tonp's) and "
                                 "sampling_params.sampling_seed (SGLang's)",
@@ -154,14 +153,19 @@ def per_prompt(value: PerPrompt, default, count: int, n: int, name: str) -> List
     return [default if v is None else v for v in value]
 
 
-def sampling(sp: SGLangSampling, top: int) -> Sampling:
-    """tonp's Sampling from SGLang's sampling_params (defaults for nulls)."""
+def sampling(sp: SGLangSampling, top: int, stop: Optional[List[str]] = None,
+             prompt_logprobs: Optional[int] = None) -> Sampling:
+    """tonp's Sampling from SGLang's sampling_params (defaults for nulls); stop: the checked
+    stop strings (SGLang's semantics are vLLM's: text.StopText, no_stop_trim = include)."""
     return Sampling(sp.max_new_tokens, "max_new_tokens",
                     temperature=1.0 if sp.temperature is None else sp.temperature,
                     top_p=sp.top_p, top_k=None if sp.top_k in (None, -1) else sp.top_k,
                     seed=sp.seed if sp.sampling_seed is None else sp.sampling_seed,
                     ignore_eos=bool(sp.ignore_eos), stop_token_ids=sp.stop_token_ids,
-                    top_logprobs=top)
+                    top_logprobs=top, top_name="top_logprobs_num",
+                    prompt_logprobs=prompt_logprobs, stop=stop,
+                    include_stop=bool(sp.no_stop_trim),
+                    skip_special=sp.skip_special_tokens is not False)
 
 
 # -- the result --------------------------------------------------------------------------------
@@ -171,42 +175,49 @@ def _entries(codec: TextCodec, pairs, text: bool) -> List[list]:
 
 
 def result(codec: TextCodec, c: fmt.Choice, rid: str, *, logprobs: bool, text_in_lps: bool,
-           top: int, skip_special: bool, no_stop_trim: bool, final: bool,
-           prompt: Optional[Tuple[List[int], int, Optional[list]]] = None,
-           prompt_ids: Optional[List[int]] = None) -> Dict:
-    """One prompt's result so far (SGLang streams the whole result so far each time).
-    prompt: (its token ids, logprob_start_len, prompt logprobs of positions 1.. or None)."""
+           top: int, skip_special: bool, no_stop_trim: bool, start: int,
+           prompt_ids: bool = False) -> Dict:
+    """One prompt's result so far (SGLang streams the whole result so far each time). start:
+    the first prompt position of input_token_logprobs (len(prompt): none)."""
+    done = c.finish is not None
     reason = None
-    if c.finish is not None:
+    if done:
         kind = fmt.openai_finish(c.finish)
         reason = {"type": kind}
         if c.finish in ("eos", "stop") and c.tokens:
-            reason["matched"] = c.tokens[-1]
+            reason["matched"] = c.stop_reason if isinstance(c.stop_reason, str) else c.tokens[-1]
         elif c.finish == "length":
             reason["length"] = len(c.tokens)
         elif c.finish == "abort":
             reason["message"] = "Aborted"
         elif c.error is not None:
             reason["message"] = str(c.error)
-    shown = c.tokens
-    if reason is not None and "matched" in reason and not no_stop_trim:
-        shown = c.tokens[:-1]      # SGLang trims the matched stop token from the text
-    text = codec.decode(shown, skip_special_tokens=skip_special)
-    if not final and text.endswith("\ufffd"):
-        text = text[:-1]           # an incomplete UTF-8 character: the next token ends it
+    if c.stop is not None and (not done or isinstance(c.stop_reason, str)):
+        text = c.stop.visible(done)      # cut at the stop string (through it: no_stop_trim)
+    else:
+        shown = c.tokens
+        if reason is not None and "matched" in reason and not no_stop_trim:
+            shown = c.tokens[:-1]        # SGLang trims the matched stop token from the text
+        text = codec.decode(shown, skip_special_tokens=skip_special)
+        if not done and text.endswith("\ufffd"):
+            text = text[:-1]             # an incomplete UTF-8 character: the next token ends it
     meta = {"id": rid, "finish_reason": reason, "prompt_tokens": c.prompt_len,
             "completion_tokens": len(c.tokens), "cached_tokens": c.cache_hit,
             "weight_version": c.weight_version}
     if logprobs:
-        ids, start, lps = prompt if prompt is not None else ([], 0, None)
-        pairs = [] if lps is None else [(None if i == start else lps[i - 1], ids[i])
-                                        for i in range(start, len(ids))]
-        meta["input_token_logprobs"] = _entries(codec, pairs, text_in_lps)
+        plp, ids = c.prompt_logprobs or [], c.prompt
+        at = range(start, len(ids))     # plp has positions 1.. when start < len(ids) - 1
+        # SGLang's: position `start` has no logprob (None), as position 0 has none
+        meta["input_token_logprobs"] = _entries(
+            codec, [(None if i == start else plp[i - 1].logprob, ids[i]) for i in at],
+            text_in_lps)
         meta["output_token_logprobs"] = _entries(codec, zip(c.logprobs, c.tokens), text_in_lps)
         if top:
+            meta["input_top_logprobs"] = [None if i == start else _entries(
+                codec, [(v, t) for t, v in plp[i - 1].top], text_in_lps) for i in at]
             meta["output_top_logprobs"] = [_entries(codec, [(v, i) for i, v in t or []],
                                                     text_in_lps) for t in c.tops]
     out = {"index": c.index, "text": text, "output_ids": list(c.tokens), "meta_info": meta}
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = prompt_ids
+    if prompt_ids:
+        out["prompt_token_ids"] = list(c.prompt)
     return out
