@@ -12,7 +12,6 @@ sampling_seed).
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
@@ -150,11 +149,12 @@ async def generate(http: Request):
 
 @router.post("/abort_request")
 async def abort_request(http: Request):
-    """SGLang's: end the request with this rid (its result so far comes back with finish_reason
-    "abort"), or with abort_all every /generate request; an unknown rid is no error."""
+    """SGLang's: end the requests whose rid starts with `rid` (their results so far come back
+    with finish_reason "abort"), or with abort_all every /generate request; no match is no
+    error."""
     body: AbortRequest = await parse(http, AbortRequest)
     live, st = _live(http), state(http)
-    rids = list(live.calls) if body.abort_all else [body.rid] if body.rid in live.calls else []
+    rids = [r for r in live.calls if body.abort_all or body.rid and r.startswith(body.rid)]
     keys = []
     for r in rids:
         call, idx = live.calls[r]
@@ -181,6 +181,7 @@ async def flush_cache(http: Request):
 @router.get("/get_model_info")
 @router.get("/model_info")
 async def model_info(http: Request):
+    """SGLang's model facts (what its clients read)."""
     st = state(http)
     name = st.model_name     # a name, never a filesystem path
     return {"model_path": name, "tokenizer_path": name if st.codec.tokenizer else None,
@@ -205,10 +206,7 @@ async def server_info(http: Request):
             "page_size": e.cache.page_size, "chunked_prefill_size": e.sched.max_step_tokens or -1,
             "disable_radix_cache": e.prefix is None,
             "skip_tokenizer_init": st.codec.tokenizer is None, "max_n": st.max_n,
-            "kernel_mode": st.service.mode, "version": "tonp", "startup_time": _STARTED}
-
-
-_STARTED = time.time()
+            "kernel_mode": st.service.mode, "version": "tonp"}
 
 
 @router.get("/health_generate")
