@@ -18,7 +18,7 @@ import tonp_kernels as tk
 from conftest import assert_bitwise
 from test_generation import prompts, tiny_model
 from tonp_models import generate
-from tonp_models.engine import Engine, PrefixCache, Request, SamplingParams
+from tonp_models.engine import Engine, PrefixCache, Request, SamplingParams, rules
 from tonp_models.engine.prefix_cache import Match
 
 B = 16  # the tiny preset's attention block = page size
@@ -286,9 +286,38 @@ def test_engine_refuses_requests_it_can_never_run():
     for tokens, match, exc in bad:
         with pytest.raises(exc, match="engine: request r.*" + match):
             engine.add(Request("r", tokens, SamplingParams(10), name="r"))
+    for key in (2**63, -1):   # the sampling kernel's int64 noise keys: refused at add, not step
+        with pytest.raises(ValueError, match=r"engine: request r: noise_key must be in \[0, 92"):
+            engine.add(Request("r", [1, 2], SamplingParams(10), noise_key=key, name="r"))
     with pytest.raises(ValueError, match="max_step_tokens=1 must be >= max_batch_size=2"):
         Engine(model, max_batch_size=2, max_step_tokens=1)
     assert not engine.has_work
+
+
+def test_request_rules_name_the_field_they_refuse():
+    """The rules every entry point shares tag each error with the argument it is about (the
+    service's 400 names it)."""
+    for kw, exc, field, match in [
+            (dict(top_p=0.0), ValueError, "top_p", r"top_p must be in \(0, 1\], got 0.0"),
+            (dict(top_k=1.5), TypeError, "top_k", "top_k must be an integer"),
+            (dict(seed=2**64), ValueError, "seed", "seed must be in"),
+            (dict(temperature=-1.0), ValueError, "temperature", "temperature must be"),
+            (dict(stop_token_ids=[320]), ValueError, "stop_token_ids", r"stop_token_ids\[0\]"),
+            (dict(top_logprobs=21, max_top_logprobs=20), ValueError, "top_logprobs",
+             "top_logprobs must be at most 20, got 21")]:
+        with pytest.raises(exc, match="svc: " + match) as e:
+            rules.sampling("svc", **{"max_new_tokens": 4, "vocab": 320, **kw})
+        assert e.value.field == field
+    for ids, field in (([3, 3], "request_ids"), ([0, 2**63], "request_ids")):
+        with pytest.raises(ValueError, match="svc: request_ids") as e:
+            rules.noise_keys("svc", ids, 2)
+        assert e.value.field == field
+    with pytest.raises(IndexError, match=r"svc: request a: the prompt holds token ids \[9\]") as e:
+        rules.prompt("svc", "request a", [1, 9], 2, vocab=9, context=16)
+    assert e.value.field == "prompt"
+    p = rules.sampling("svc", max_new_tokens=4, vocab=320, temperature=1.0, top_p=1.0, seed=3,
+                       eos_token_ids=7, stop_token_ids=(8, 9))
+    assert p == SamplingParams(4, 1.0, None, 1.0, 3, frozenset({7}), frozenset({8, 9}))
 
 
 def test_prefix_cache_evicts_the_least_recently_used_page():

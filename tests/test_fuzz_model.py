@@ -82,7 +82,7 @@ def _packed_case(rng: random.Random, model, seqs, ref):
         bad = ids.clone()
         bad[rng.randrange(T)] = rng.choice([V, -1, 2**40])
         kw["input_ids"] = bad
-        return kw, "out of the vocabulary range"
+        return kw, "input_ids holds token ids .* outside the vocabulary"
     elif kind in ("ids_0d", "ids_3d"):
         kw.update(input_ids=ids[0] if kind == "ids_0d" else ids.view(1, 1, T), cu_seqlens=None)
         return kw, "input_ids must be"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tonp_parallel import group_device
 
 from ..layers import CacheFullError
+from . import rules
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import score_prompt
 from .request import EngineStats, Request, StepOutput
@@ -74,29 +75,19 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def check(self, r: Request) -> None:
-        """Raise (ValueError / IndexError / CacheFullError, naming the request) unless r can
-        run: a non-empty prompt of token ids in the vocabulary whose full length, prompt +
-        max_new_tokens, fits the position limit and the cache alone. Reads constants only, so
-        another thread may call it."""
-        c, name = self.model.config, f"{self.who}: request {r.name}"
-        n, new = len(r.tokens), r.params.max_new_tokens
-        if n == 0:
-            raise ValueError(f"{name}: the prompt is empty (a prompt needs at least one token)")
-        bad = sorted({t for t in r.tokens if not 0 <= t < c.vocab_size})
-        if bad:
-            raise IndexError(f"{name}: the prompt holds token ids {bad[:8]} outside the "
-                             f"vocabulary [0, {c.vocab_size})")
-        limit, positions = c.max_position_embeddings, n + max(new, 1) - 1  # last one not fed
-        if n + new > limit or positions > self.max_seq_len:
-            raise ValueError(f"{name}: the prompt ({n} tokens) + max_new_tokens={new} = "
-                             f"{n + new} tokens exceeds the context of "
-                             f"{min(limit, self.max_seq_len + 1)} tokens")
-        B = self.cache.page_size
-        pages = -(-positions // B)
-        if pages > self.cache.num_pages:
-            raise CacheFullError(f"{name} needs {pages} KV-cache pages of {B} positions "
-                                 f"({positions} positions) but the cache holds num_pages="
-                                 f"{self.cache.num_pages}; it cannot run even alone")
+        """Raise (TypeError / ValueError / IndexError / CacheFullError, naming the request)
+        unless r can run: the request rules (engine/rules.py) for its noise key, its prompt
+        (token ids in the vocabulary, prompt + max_new_tokens within the context) and its fit
+        in the cache alone. Reads constants only, so another thread may call it."""
+        c, name = self.model.config, f"request {r.name}"
+        limit = c.max_position_embeddings
+        rules.noise_key(self.who, f"{name}: noise_key", r.noise_key)
+        context, what = (limit, "max_position_embeddings") if self.max_seq_len + 1 >= limit \
+            else (self.max_seq_len + 1, f"max_seq_len={self.max_seq_len}")
+        rules.prompt(self.who, name, r.tokens, r.params.max_new_tokens, vocab=c.vocab_size,
+                     context=context, limit=what)
+        rules.fits_cache(self.who, name, rules.positions(len(r.tokens), r.params.max_new_tokens),
+                         page_size=self.cache.page_size, num_pages=self.cache.num_pages)
 
     def add(self, r: Request) -> None:
         """Queue a request (checked first); it joins the running batch when it fits."""

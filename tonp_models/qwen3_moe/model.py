@@ -33,6 +33,7 @@ from tonp_parallel.layout import stage_layers
 from tonp_parallel.sequence import SequenceSplit
 from tonp_parallel.sharding import Shard, parameter_shards
 
+from ..checks import in_vocabulary
 from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
                       RotaryEmbedding, SparseMoeBlock)
 from .config import Qwen3MoeConfig
@@ -208,7 +209,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         ids = ids.long()
         T = ids.shape[0]
         cu, bounds = bounds_of(cu_seqlens, T)
-        self._check_ids(ids)
+        # The embedding's index bound (TP shards would zero a foreign id silently).
+        in_vocabulary("Qwen3MoeForCausalLM", "input_ids", ids, self.config.vocab_size)
         if logits_rows is not None:
             logits_rows = rows_of(logits_rows, T).to(dev)
         if cache is not None:
@@ -279,13 +281,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             h = h.index_select(0, rows)                                            # (R, H)
         return self.norm(h)
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        V = self.config.vocab_size
-        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)
-        if int(lo) < 0 or int(hi) >= V:
-            bad = ids[(ids < 0) | (ids >= V)].unique()[:8].tolist()
-            raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
-                             f"range [0, {V})")
 
     def _check_cache(self, cache) -> None:
         """A cache of this model's layers, KV heads, head_dim, dtype and page = attention block
