@@ -18,8 +18,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
 
-from ..engine import Request, SamplingParams
-from ..generation import _request_ids
+from ..engine import Request, SamplingParams, rules
 from . import formats as fmt
 from .protocol import ApiError, check_n, max_new_tokens, sampling_params
 from .service import EngineService
@@ -136,8 +135,8 @@ async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prom
                      keys_name: str = "request_ids") -> Tuple["Call", List[int]]:
     """The one way a body becomes engine requests: each (name, prompt) to token ids, n choices
     each (consecutive), every value checked (400 naming it), queued. s: one Sampling, or one per
-    prompt. keys: the noise key of each sequence: None (0..), the client's (generate's
-    request_ids rule: distinct ints in [0, 2**63)), or a function (token ids of each prompt, n)
+    prompt. keys: the noise key of each sequence: None (0..), the client's (the engine's
+    rules.noise_keys: distinct ints in [0, 2**63)), or a function (token ids of each prompt, n)
     -> keys derived by the server (each in [0, 2**63), repeats allowed). Every prompt and
     choice whose Sampling has no seed shares one drawn seed. -> (call, prompt lengths)."""
     ss = s if isinstance(s, list) else [s] * len(prompts)
@@ -149,10 +148,9 @@ async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prom
         keys = keys(ids, n)
     else:
         try:
-            keys = _request_ids(keys, n_req)
+            keys = rules.noise_keys("request", keys, n_req)
         except (TypeError, ValueError) as e:
-            why = str(e).removeprefix("generate: ")
-            raise ApiError(400, f"{why} (one per prompt and sample)", keys_name) from None
+            raise ApiError(400, f"{e} (one per prompt and sample)", keys_name) from None
     drawn, reqs, params, stops = None, [], [], []
     for p, si in zip(ids, ss):
         new = max_new_tokens(si.limit, len(p), st.context, si.limit_name)
