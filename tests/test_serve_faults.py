@@ -222,5 +222,14 @@ def test_two_rank_server_steps_both_ranks_in_lockstep(tmp_path, layout):
         for p, x, lp in zip(ps, r, train):
             got = torch.tensor([v[0] for v in x["meta_info"]["output_token_logprobs"]])
             assert_bitwise(got, lp[len(p) - 1:], f"{layout} server vs the training forward")
+        # vLLM's prompt_logprobs: every rank scores the prompt in the same forward
+        assert c.post(srv.url + "/reset_prefix_cache").json()["success"] is True
+        ch = c.post(srv.url + "/v1/completions", json={
+            "prompt": ps[0], "max_tokens": 1, "prompt_logprobs": 2}).json()["choices"][0]
+        got = torch.tensor([e[str(t)]["logprob"] for e, t in zip(ch["prompt_logprobs"][1:],
+                                                                 ps[0][1:])])
+        with torch.no_grad():
+            want = model.token_logprobs([torch.tensor(ps[0])])[0]
+        assert_bitwise(got, want, f"{layout} prompt logprobs vs the training forward")
         assert srv.stop() == 0, srv.log
         assert follower.proc.wait(30) == 0, follower.log

@@ -210,6 +210,11 @@ def test_input_token_logprobs_are_the_training_forwards_cold_or_cached(server, h
         r = gen(http, server, dict(body, logprob_start_len=start))
         assert r["meta_info"]["input_token_logprobs"] == []
     gen(http, server, dict(body, logprob_start_len=len(prompt) + 1), 400)
+    two = gen(http, server, dict(body, logprob_start_len=5, sampling_params=dict(
+        body["sampling_params"], n=2)))         # the prompt is scored once, for both choices
+    for r in two:
+        got = torch.tensor([e[0] for e in r["meta_info"]["input_token_logprobs"][1:]])
+        assert_bitwise(got, score(prompt, 0.7)[5:], "n = 2: each choice's prompt logprobs")
 
 
 def test_stop_strings_end_the_text_as_sglang_does(server, http):

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import Request as HttpRequest
@@ -163,10 +163,11 @@ async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prom
         if si.seed is None:
             drawn = sp.seed
         reqs += [p] * n
-        params += [sp] * n
+        # the prompt is scored once, by its first choice (the others share its result)
+        params += [sp] + [replace(sp, prompt_logprobs=None)] * (n - 1)
         stops += [StopText(st.codec, si.stop, si.include_stop, si.skip_special) if si.stop
                   else None for _ in range(n)]
-    return Call(st, rid, reqs, params, keys, stops), [len(p) for p in ids]
+    return Call(st, rid, reqs, params, keys, stops, n), [len(p) for p in ids]
 
 
 class Call:
@@ -174,13 +175,14 @@ class Call:
 
     def __init__(self, st: ServeState, rid: str, prompts: List[List[int]],
                  params: List[SamplingParams], noise_keys: List[int],
-                 stops: Optional[List[Optional[StopText]]] = None):
+                 stops: Optional[List[Optional[StopText]]] = None, n: int = 1):
         self.st, self.rid = st, rid
         if not st.service.healthy:
             raise ApiError(503, f"the server cannot generate: {st.service.error}")
         stops = stops or [None] * len(prompts)
         self.choices = [fmt.Choice(i, len(p), prompt=list(p), stop=s)
                         for i, (p, s) in enumerate(zip(prompts, stops))]
+        self.n = n    # choices per prompt, consecutive
         reqs = [Request(next(st.ids), list(p), s, noise_key=k, name=f"{rid} choice {i}")
                 for i, (p, s, k) in enumerate(zip(prompts, params, noise_keys))]
         for r in reqs:
@@ -220,8 +222,12 @@ class Call:
                 continue
             if key not in self.open:        # news after a stop string ended it: not its own
                 continue
-            c = self.choices[self.index[key]]
-            c.cache_hit, c.weight_version, c.prompt_logprobs = hit, version, plp
+            i = self.index[key]
+            c = self.choices[i]
+            c.cache_hit, c.weight_version = hit, version
+            if plp is not None:         # the prompt's first choice scored it for all
+                for other in self.choices[i:i + self.n]:
+                    other.prompt_logprobs = plp
             if tok is not None:
                 c.tokens.append(tok)
                 c.logprobs.append(lp)

@@ -58,7 +58,8 @@ def prompt_logprobs(codec: TextCodec, c: Choice, r: Render) -> Optional[List]:
         return None
     out: List[Optional[Dict]] = [None]
     for tok, p in zip(c.prompt[1:], c.prompt_logprobs):
-        d = {tok: {"logprob": p.logprob, "rank": p.rank, "decoded_token": codec.token(tok, r.as_ids)}}
+        d = {tok: {"logprob": p.logprob, "rank": p.rank,
+                   "decoded_token": codec.token(tok, r.as_ids)}}
         for rank, (i, v) in enumerate(p.top, 1):
             d.setdefault(i, {"logprob": v, "rank": rank,
                              "decoded_token": codec.token(i, r.as_ids)})
@@ -91,9 +92,10 @@ def completion_logprobs(codec: TextCodec, tokens, lps, tops, r: Render, offset: 
     for s in strs:
         offsets.append(pos)
         pos += len(s)
-    top = [None if lp is None else
-           dict([(s, lp)] + [(codec.token(i, r.as_ids), v) for i, v in (t or [])][:r.logprobs])
-           for s, lp, t in zip(strs, lps, tops)]
+    # the first entry of a string wins: the token's own when two ids decode alike
+    top = [None if lp is None else dict(reversed([(s, lp)] + [
+        (codec.token(i, r.as_ids), v) for i, v in (t or [])][:r.logprobs]))
+        for s, lp, t in zip(strs, lps, tops)]
     return {"tokens": strs, "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": offsets}
 

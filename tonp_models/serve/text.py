@@ -62,18 +62,22 @@ class TextCodec:
 
 class Detokenizer:
     """Incremental text of a growing completion: `add(ids)` returns the new text, holding back
-    a trailing incomplete UTF-8 character ("\ufffd") until the next token completes it."""
+    a trailing incomplete UTF-8 character ("\ufffd") until the next token completes it (or the
+    end). Each call decodes a window of a few tokens (from the last emitted boundary), not the
+    whole completion, as vLLM's and TGI's incremental detokenizers do."""
 
     def __init__(self, codec: TextCodec, skip_special_tokens: bool = False):
-        self.codec, self.ids, self.sent, self.skip = codec, [], 0, skip_special_tokens
+        self.codec, self.ids, self.skip = codec, [], skip_special_tokens
+        self.prefix, self.read = 0, 0      # the window's start, and where its new text starts
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.codec.decode(self.ids, self.skip)
-        if text.endswith("\ufffd") and not final:
+        before = self.codec.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.codec.decode(self.ids[self.prefix:], self.skip)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
-        delta, self.sent = text[self.sent:], len(text)
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class StopText:
