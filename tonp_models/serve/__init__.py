@@ -1,5 +1,6 @@
-"""tonp_models.serve: the rollout service. An OpenAI-compatible HTTP server (completions, chat
-completions, SGLang's token-id /generate, /metrics, /update_weights) over the rollout engine,
+"""tonp_models.serve: the rollout service. An OpenAI-compatible HTTP server in vLLM's dialect
+(completions, chat completions, prompt logprobs, stop strings), SGLang's token-id /generate,
+/metrics and /update_weights over the rollout engine,
 and `RolloutClient`, a small client an RL loop rolls out and updates weights with.
 
     python -m tonp_models.serve --hf PATH --port 8000           # see docs/serving.md

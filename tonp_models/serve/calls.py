@@ -3,7 +3,8 @@ engine-request builder (`start_call`) and `Call`, the engine requests of one HTT
 their outputs coming back from the engine thread through an asyncio queue.
 
 A client that disconnects (mid-stream or while a whole response is pending) gets its engine
-requests aborted: their slots and pages are freed.
+requests aborted: their slots and pages are freed; so does a choice once its text completes one
+of its stop strings (text.StopText: its tokens and logprobs end with the token that did).
 """
 from __future__ import annotations
 
