@@ -18,7 +18,9 @@ import tonp_kernels as tk
 from conftest import assert_bitwise
 from test_generation import prompts, tiny_model
 from tonp_models import generate
-from tonp_models.engine import Engine, PrefixCache, Request, SamplingParams, rules
+from tonp_models.layers import CacheFullError
+from tonp_models.engine import (Engine, PageAllocator, PrefixCache, Request, SamplingParams,
+                                extend, rules)
 from tonp_models.engine.prefix_cache import Match
 
 B = 16  # the tiny preset's attention block = page size
@@ -33,7 +35,7 @@ def _feed(model, cache, prefix, tokens):
     if m.fork:
         cache.fork(slot, *m.fork)
     with torch.no_grad():
-        logits = model(torch.tensor(tokens[m.length:]), cache=cache, cache_slots=[slot])
+        logits = extend(model, cache, torch.tensor(tokens[m.length:]), [slot])
     if prefix is not None:
         prefix.note(slot, tokens, list(m.keys), m.length, len(tokens))
     return logits, m.length
@@ -54,7 +56,7 @@ def _variants(a):
 def test_prefix_cache_hit_changes_no_bit():
     model = tiny_model(torch.float32)
     a = prompts((40,), seed=4)[0].tolist()
-    cache = model.new_cache(16, 64)
+    cache = PageAllocator(model.new_cache(16, 64))
     prefix = PrefixCache(cache)
     _feed(model, cache, prefix, a)
     for name, tokens, cached in _variants(a):
@@ -72,7 +74,7 @@ def test_prefix_cache_hit_changes_bits_with_stock_torch(torch_mode):
     after a cache hit differ from the same rows computed with the whole prompt."""
     model = tiny_model(torch.float32)
     a = prompts((40,), seed=4)[0].tolist()
-    cache = model.new_cache(16, 64)
+    cache = PageAllocator(model.new_cache(16, 64))
     prefix = PrefixCache(cache)
     _feed(model, cache, prefix, a)
     differ = []
@@ -256,7 +258,7 @@ def test_a_prefix_hit_that_does_not_fit_beside_its_source_is_recomputed():
 
 def test_kv_cache_pages_are_reference_counted():
     model = tiny_model(torch.float32)
-    cache = model.new_cache(3, 64, num_pages=4)
+    cache = PageAllocator(model.new_cache(3, 64, num_pages=4))
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.commit(cache.prepare([a], [2 * B]))
     pa = cache.pages(a)
@@ -320,12 +322,34 @@ def test_request_rules_name_the_field_they_refuse():
     assert p == SamplingParams(4, 1.0, None, 1.0, 3, frozenset({7}), frozenset({8, 9}))
 
 
+def test_the_model_only_reads_and_writes_the_pages_the_scheduler_names():
+    """The allocator prepares a step (pages for the new tokens) and commits it; the forward in
+    between neither allocates nor advances a slot. A refused step takes nothing."""
+    model = tiny_model(torch.float32)
+    pages = PageAllocator(model.new_cache(2, 64, num_pages=3))
+    a, b = pages.add_sequence(), pages.add_sequence()
+    step = pages.prepare([a, b], [20, 5])                       # 2 + 1 pages of 16
+    assert pages.free_pages == 0 and pages.lengths == [0, 0]
+    with torch.no_grad():
+        logits = model(torch.arange(25), torch.tensor([0, 20, 25]), kv=step)
+        full = model(torch.arange(25), torch.tensor([0, 20, 25]))
+    assert_bitwise(logits, full, "a cached prefill vs the training forward")
+    assert pages.free_pages == 0 and pages.lengths == [0, 0]   # the model allocated nothing
+    pages.commit(step)
+    assert pages.lengths == [20, 5]
+    with pytest.raises(CacheFullError, match="step needs 1 pages, 0 free"):
+        pages.prepare([a, b], [1, 12])                          # b fits, a needs a page
+    assert pages.lengths == [20, 5] and [len(pages.pages(s)) for s in (a, b)] == [2, 1]
+    with pytest.raises(TypeError, match="groups must be a tonp_parallel.ParallelGroups"):
+        type(model)(model.config, groups=object())
+
+
 def test_prefix_cache_evicts_the_least_recently_used_page():
     """Four pages. A, B, C each leave one cached page (LRU: A, B, C); a request extending A by a
     token shares A's page and leaves its own partial page (LRU: B, C, A's tail, A): no page is
     free, so a one-page request evicts B, then another one C."""
     model = tiny_model(torch.float32)
-    cache = model.new_cache(4, 64, num_pages=4)
+    cache = PageAllocator(model.new_cache(4, 64, num_pages=4))
     prefix = PrefixCache(cache)
     a, b, c, d, e = (p.tolist() for p in prompts((B,) * 5, seed=9))
 

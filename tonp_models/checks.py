@@ -142,9 +142,9 @@ class TPCheck:
 
     @classmethod
     def of(cls, model, who: str) -> "TPCheck":
-        groups = getattr(model, "groups", None)
+        groups = getattr(model, "groups", None) or tpar.ParallelGroups.single()  # a stand-in
         # The ranks of one replica: TP x CP x PP when the groups know it, else the TP group.
-        group = getattr(groups, "model_group", None) or getattr(groups, "tp_group", None)
+        group = groups.model_group or groups.tp_group
         if group is None or tpar.group_size(group) == 1:
             return cls(who)
         return cls(who, group, next(model.parameters()).device)
