@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
 
-from ..engine import Request, SamplingParams
+from ..engine import Request, SamplingParams, rules
 from . import formats as fmt
 from .protocol import ApiError, check_n, max_new_tokens, sampling_params
 from .security import Security, error_body, incident
@@ -27,6 +27,7 @@ from .service import EngineService
 from .text import StopText, TextCodec
 
 Prompt = Union[str, List[int]]      # text (tokenized by the server) or token ids
+Keys = Union[None, List[int], Callable[[List[List[int]], int], List[int]]]
 
 
 @dataclass
@@ -133,34 +134,42 @@ async def encode(st: ServeState, text: str, what: str, add_special: bool = False
 
 
 async def start_call(st: ServeState, rid: str, prompts: Sequence[Tuple[str, Prompt]], n: int,
-                     s: Sampling, keys: Optional[List[int]] = None,
+                     s: Union[Sampling, List[Sampling]], keys: Keys = None,
                      keys_name: str = "request_ids") -> Tuple["Call", List[int]]:
     """The one way a body becomes engine requests: each (name, prompt) to token ids, n choices
-    each (consecutive), every value checked (400 naming it), queued. keys: the noise key of each
-    sequence (default 0..); every prompt and choice shares one seed. -> (call, prompt lengths)."""
-    ids = [await encode(st, p, what, s.add_special) if isinstance(p, str) else list(p)
-           for what, p in prompts]
+    each (consecutive), every value checked (400 naming it), queued. s: one Sampling, or one per
+    prompt. keys: the noise key of each sequence: None (0..), the client's (the engine's
+    rules.noise_keys: distinct ints in [0, 2**63)), or a function (token ids of each prompt, n)
+    -> keys derived by the server (each in [0, 2**63), repeats allowed). Every prompt and
+    choice whose Sampling has no seed shares one drawn seed. -> (call, prompt lengths)."""
+    ss = s if isinstance(s, list) else [s] * len(prompts)
+    ids = [await encode(st, p, what, si.add_special) if isinstance(p, str) else list(p)
+           for (what, p), si in zip(prompts, ss)]
     check_n(n, len(ids), st.max_n)
     n_req = len(ids) * n
-    given = keys
-    keys = list(range(n_req)) if keys is None else keys
-    if len(keys) != n_req or len(set(keys)) != n_req or min(keys, default=0) < 0:
-        raise ApiError(400, f"{keys_name} must be {n_req} distinct ints >= 0 (one per "
-                            f"prompt and sample), got {given}", keys_name)
-    seed, reqs, params = s.seed, [], []
-    for p in ids:
-        new = max_new_tokens(s.limit, len(p), st.context, s.limit_name)
-        sp = sampling_params(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed,
-                             max_new=new, eos=[] if s.ignore_eos else st.eos,
-                             stop_ids=s.stop_token_ids, top_logprobs=s.top_logprobs,
-                             vocab=st.vocab, prompt_logprobs=s.prompt_logprobs,
-                             max_logprobs=st.max_logprobs, top_name=s.top_name)
-        seed = sp.seed
+    if callable(keys):
+        keys = keys(ids, n)
+    else:
+        try:
+            keys = rules.noise_keys("request", keys, n_req)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"{e} (one per prompt and sample)", keys_name) from None
+    drawn, reqs, params, stops = None, [], [], []
+    for p, si in zip(ids, ss):
+        new = max_new_tokens(si.limit, len(p), st.context, si.limit_name)
+        sp = sampling_params(temperature=si.temperature, top_p=si.top_p, top_k=si.top_k,
+                             seed=drawn if si.seed is None else si.seed, max_new=new,
+                             eos=[] if si.ignore_eos else st.eos, stop_ids=si.stop_token_ids,
+                             top_logprobs=si.top_logprobs, vocab=st.vocab,
+                             prompt_logprobs=si.prompt_logprobs, max_logprobs=st.max_logprobs,
+                             top_name=si.top_name)
+        if si.seed is None:
+            drawn = sp.seed
         reqs += [p] * n
         # the prompt is scored once, by its first choice (the others share its result)
         params += [sp] + [replace(sp, prompt_logprobs=None)] * (n - 1)
-    stops = [StopText(st.codec, s.stop, s.include_stop, s.skip_special) if s.stop else None
-             for _ in reqs]
+        stops += [StopText(st.codec, si.stop, si.include_stop, si.skip_special) if si.stop
+                  else None for _ in range(n)]
     return Call(st, rid, reqs, params, keys, stops, n), [len(p) for p in ids]
 
 

@@ -1,5 +1,5 @@
-"""Response bodies: OpenAI completions and chat completions (whole and streamed chunks), SGLang's
-/generate, and the Prometheus text of /metrics.
+"""Response bodies: OpenAI completions and chat completions (whole and streamed chunks) and the
+Prometheus text of /metrics (SGLang's /generate result: sglang_protocol.py).
 
 Every choice also carries `token_ids` (the generated ids; vLLM's field), so a client can score
 exactly the tokens it got; logprobs are the engine's fp32 values as JSON numbers (a float's
@@ -157,34 +157,6 @@ def chat(model: str, rid: str, choices: List[Dict], use: Optional[Dict], chunk: 
     if use is not None:
         out["usage"] = use
     return out
-
-
-# -- SGLang /generate -------------------------------------------------------------------------
-def generate_result(codec: TextCodec, c: Choice, rid: str, *, logprobs: bool, tokens=None,
-                    lps=None, tops=None) -> Dict:
-    """One prompt's result (or, with tokens/lps/tops, one streamed increment of it)."""
-    tokens = c.tokens if tokens is None else tokens
-    lps = c.logprobs if lps is None else lps
-    tops = c.tops if tops is None else tops
-    reason = None
-    if c.finish is not None:
-        kind = openai_finish(c.finish)
-        reason = {"type": kind}
-        if c.finish in ("eos", "stop") and c.tokens:
-            reason["matched"] = c.tokens[-1]
-        elif c.finish == "length":
-            reason["length"] = len(c.tokens)
-        elif c.error is not None:
-            reason["message"] = str(c.error)
-    meta = {"id": f"{rid}-{c.index}", "finish_reason": reason, "prompt_tokens": c.prompt_len,
-            "completion_tokens": len(c.tokens), "cached_tokens": c.cache_hit,
-            "weight_version": c.weight_version}
-    if logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(tokens, lps)]
-        meta["output_top_logprobs"] = [[[v, i, None] for i, v in top] if top else None
-                                       for top in tops]
-    return {"index": c.index, "text": codec.decode(tokens), "output_ids": list(tokens),
-            "meta_info": meta}
 
 
 # -- metrics ----------------------------------------------------------------------------------

@@ -175,30 +175,6 @@ NEUTRAL = {
 }
 
 
-class GenerateSampling(_Body):
-    """SGLang's sampling_params (the subset tonp implements)."""
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: Optional[int] = None
-    stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
-    n: int = 1
-
-
-class GenerateRequest(_Body):
-    """SGLang's /generate with token ids: one prompt or a batch. request_ids (tonp): the noise
-    key of each prompt (default 0..n-1), so a batch reproduces `generate(..., request_ids=...)`."""
-    input_ids: Optional[Union[List[int], List[List[int]]]] = None
-    text: Optional[Union[str, List[str]]] = None
-    sampling_params: GenerateSampling = GenerateSampling()
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    stream: bool = False
-    request_ids: Optional[List[int]] = None
-
-
 class UpdateWeightsRequest(_Body):
     model_path: str
 
