@@ -397,7 +397,8 @@ def _write(model, path: str, tensors, max_shard_size: int) -> None:
             json.dump(index, f, indent=2)
 
 
-__all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "hub_layout", "slot_region", "slot_target", "load_checkpoint", "check_checkpoint",
+__all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "hub_layout", "slot_region", "slot_target",
+           "load_checkpoint", "check_checkpoint",
            "copy_checkpoint", "CheckpointMismatch", "LoadPlan", "state_dict_hub",
            "gather_full_parameters", "load_full_parameters", "copy_parameters",
            "save_checkpoint"]

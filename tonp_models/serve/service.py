@@ -213,9 +213,8 @@ class EngineService:
                         break
         except BaseException as e:  # noqa: BLE001 -- reported by /health, every sink told
             self.healthy, self.error = False, f"the engine stopped: {type(e).__name__}: {e}"
-            log.exception("tonp serve: the engine thread failed")
+            log.exception("tonp serve: the engine thread failed")   # the traceback, once
             self._fail_all(self.error)
-            raise
 
     def follow(self) -> None:
         """The loop of a rank other than 0: apply rank 0's ticks until it shuts down."""
@@ -287,6 +286,7 @@ class EngineService:
 
     def _step(self) -> None:
         """engine.step(); when it raises, the requests it fed fail, not the server."""
+        forwards = self.engine.stats.forward_steps
         try:
             outs = self.engine.step()
         except Exception as e:  # noqa: BLE001 -- attributed to the step's requests below
@@ -301,7 +301,8 @@ class EngineService:
             outs = [StepOutput(r, finish=r.finish or "error") for k, r in self._live.items()
                     if k not in self.engine.requests and k not in failed]
         else:
-            self._failed_steps = 0
+            if self.engine.stats.forward_steps > forwards:   # a forward went through
+                self._failed_steps = 0
         self._deliver(outs)
 
     # -- weight updates --------------------------------------------------------------------
@@ -335,7 +336,7 @@ class EngineService:
         out, err = self._attempt(lambda: getattr(self.sync, cmd.op)(*cmd.args))
         bad = [(r, e) for r, e in enumerate(self._gather(err)) if e]
         if bad:   # nothing changed anywhere: a weight-sync step only stages or joins a group
-            if callable(out) and self.sync is not None:
+            if hasattr(self.sync, "drop_staged"):   # every rank: the push starts over
                 self.sync.drop_staged()
             self._resolve(cmd.future, UpdateResult(False, _first(bad), max(e[2] for _, e in bad)))
         elif callable(out):

@@ -13,8 +13,9 @@ received whole, checked (every name the model's, every shape its full HF shape, 
 castable exactly or to bf16, every value finite) and kept as this rank's regions (the checkpoint
 table's TP slices and experts). Nothing changes until every tensor of the model is staged: then
 the update drains like /update_weights and the staged regions are copied between two steps. A
-bucket that fails a check is refused with nothing changed (the tensors are still received, so
-the group stays in step with the trainer).
+bucket that fails a check is refused with nothing changed (its tensors are still received, so
+the group stays in step with the trainer) and the push's staged buckets are dropped: the next
+push starts over.
 """
 from __future__ import annotations
 
@@ -265,9 +266,9 @@ class WeightSender:
                               wait_for_workers=False)
         body = {"master_address": master_address, "master_port": store.port, "rank_offset": 1,
                 "world_size": world, "group_name": group_name, "backend": backend}
-        reply = self._post_while("/init_weights_update_group", body, lambda: new_group(
+        self.store = store
+        self.pg = self._post_while("/init_weights_update_group", body, lambda: new_group(
             master_address, store.port, 0, world, group_name, backend, timeout_s, store=store))
-        self.pg, self.store = reply, store
 
     def _post_while(self, path: str, body: dict, work: Callable[[], Any]) -> Any:
         """POST body to path in a thread while `work()` runs here; work's result, or a
