@@ -11,8 +11,8 @@
 * a trainer process pushes weights over a gloo group (SGLang's /init_weights_update_group +
   /update_weights_from_distributed): the served logprobs are then, bit for bit, the training
   forward's under the new weights and a server started from them on disk; a request in flight
-  finishes under one weight version; bad metadata is refused with nothing changed; a TP=2
-  server takes the push on both ranks;
+  finishes under one weight version; bad metadata is refused with nothing changed; a TP=2 and
+  an EP=2 server take the push on both ranks;
 * a step that raises (a request whose noise key overflows int64) fails that request only.
 """
 from __future__ import annotations
@@ -282,8 +282,11 @@ def test_a_pushed_update_equals_a_fresh_load_and_bad_metadata_changes_nothing(
         assert update(http, server.url, ckpt).status_code == 200
 
 
-def test_a_tp2_server_takes_the_push_on_every_rank(tmp_path, ckpt, new_model):
-    port, args = free_port(), ["--hf", ckpt, *ARGS, "--tp", "2"]
+@pytest.mark.parametrize("layout", ["--tp", "--ep"], ids=["tp2", "ep2"])
+def test_a_two_rank_server_takes_the_push_on_every_rank(ckpt, new_model, layout):
+    """TP 2: each rank keeps its slices of every tensor; EP 2: its half of the experts (the
+    other half is received and dropped)."""
+    port, args = free_port(), ["--hf", ckpt, *ARGS, layout, "2"]
     with ServerProcess(args, env=rank_env(1, port, 2), announce=False) as follower, \
             ServerProcess(args, env=rank_env(0, port, 2)) as srv, \
             httpx.Client(timeout=60) as c:
@@ -291,7 +294,7 @@ def test_a_tp2_server_takes_the_push_on_every_rank(tmp_path, ckpt, new_model):
             assert sender.push(state_dict_hub(new_model))["success"]
         s, ids, lps, v = gen(c, srv.url)
         assert s == 200 and v == 1
-        assert_bitwise(lps, score(new_model, P, ids), "TP=2 after the push")
+        assert_bitwise(lps, score(new_model, P, ids), f"{layout} 2 after the push")
         assert srv.stop() == 0, srv.log
         assert follower.proc.wait(30) == 0, follower.log
 
