@@ -61,8 +61,8 @@ def new_model():
 
 @pytest.fixture(scope="module")
 def server(ckpt, dirs):
-    with ServerProcess(["--hf", ckpt, *ARGS, "--allowed-weights-dir",
-                        str(dirs / "allowed")]) as srv:
+    with ServerProcess(["--hf", ckpt, *ARGS, "--allowed-weights-dir", str(dirs / "allowed"),
+                        "--weight-sync-timeout", "5"]) as srv:
         yield srv
 
 
@@ -280,6 +280,18 @@ def test_a_pushed_update_equals_a_fresh_load_and_bad_metadata_changes_nothing(
     finally:
         t.join(120)
         assert update(http, server.url, ckpt).status_code == 200
+
+
+def test_a_rendezvous_that_cannot_complete_is_refused_and_the_server_serves_on(server, http):
+    """The trainer counts 2 server ranks, the server has 1: the group never forms; both sides
+    give up at their timeouts (3 s, 5 s), the server keeps its weights and serves."""
+    before = gen(http, server.url)
+    with pytest.raises(RuntimeError, match="init_weights_update_group"):
+        WeightSender(server.url, server_ranks=2, timeout_s=3)
+    assert http.get(f"{server.url}/health").json()["status"] == "ok"
+    after = gen(http, server.url)
+    assert after[1] == before[1]
+    assert_bitwise(after[2], before[2], "after a failed rendezvous")
 
 
 @pytest.mark.parametrize("layout", ["--tp", "--ep"], ids=["tp2", "ep2"])

@@ -54,6 +54,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--allowed-weights-dir", default=None, metavar="DIR",
                     help="/update_weights loads only checkpoints below DIR (symlinks resolved; "
                     "default: the --hf directory; none for --preset)")
+    ap.add_argument("--weight-sync-timeout", type=float, default=120.0, metavar="S",
+                    help="the longest a weight-update group's rendezvous or one pushed "
+                    "tensor may take (/init_weights_update_group)")
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds running requests may take to finish on shutdown")
     return ap.parse_args(argv)
@@ -187,7 +190,8 @@ def _serve_ranks(args, groups) -> None:
     group = None if groups is None else torch.distributed.group.WORLD
     service = EngineService(engine, weight_loader(model),
                             check_weights=weights_path_check(weights_dir(args)),
-                            sync=WeightReceiver(model, group), mode=args.mode, group=group)
+                            sync=WeightReceiver(model, group, args.weight_sync_timeout),
+                            mode=args.mode, group=group)
     if groups is not None and groups.rank != 0:
         service.follow()
         return

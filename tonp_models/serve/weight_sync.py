@@ -251,14 +251,18 @@ class WeightSender:
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
         bucket_bytes: a push posts one bucket of tensors at a time, up to this size.
         timeout_s: the longest a rendezvous, one broadcast or one HTTP call may take.
+        drain_timeout_s: how long the last bucket's reply may take (the server first lets its
+            running requests finish).
     """
 
     def __init__(self, url: str, server_ranks: int = 1, *, master_address: str = "127.0.0.1",
                  master_port: int = 0, backend: str = "gloo", group_name: str = DEFAULT_GROUP,
-                 bucket_bytes: int = 512 * 2**20, timeout_s: float = 120.0):
-        import httpx
+                 bucket_bytes: int = 512 * 2**20, timeout_s: float = 120.0,
+                 drain_timeout_s: float = 3600.0):
+        import httpx     # the trainer's dependency (requirements-test.txt), not the server's
         self.url, self.group_name, self.backend = url.rstrip("/"), group_name, backend
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.wait_s = timeout_s + drain_timeout_s
         self.http = httpx.Client(timeout=timeout_s)
         world = 1 + server_ranks
         store = dist.TCPStore(master_address, master_port, world, is_master=True,
@@ -266,34 +270,46 @@ class WeightSender:
                               wait_for_workers=False)
         body = {"master_address": master_address, "master_port": store.port, "rank_offset": 1,
                 "world_size": world, "group_name": group_name, "backend": backend}
-        self.store = store
+        self.store, self.pg = store, None
         self.pg = self._post_while("/init_weights_update_group", body, lambda: new_group(
             master_address, store.port, 0, world, group_name, backend, timeout_s, store=store))
 
     def _post_while(self, path: str, body: dict, work: Callable[[], Any]) -> Any:
-        """POST body to path in a thread while `work()` runs here; work's result, or a
-        RuntimeError with the server's message when it refused."""
+        """POST body to path while `work()` (the rendezvous, the broadcasts) runs in a thread;
+        work's result, or a RuntimeError with the server's message. When the server answered
+        without taking part in `work` (it refused before receiving), work cannot finish: the
+        group is then unusable and this sender says so on its next call."""
+        if self.pg is None and path != "/init_weights_update_group":
+            raise RuntimeError("WeightSender: the group is closed or broken (an earlier call "
+                               "failed half-way): make a new WeightSender")
         out: Dict[str, Any] = {}
 
-        def post():
+        def run():
             try:
-                out["r"] = self.http.post(self.url + path, json=body)
+                out["result"] = work()
             except Exception as e:  # noqa: BLE001 -- reported below
-                out["e"] = e
-        t = threading.Thread(target=post, daemon=True)
+                out["error"] = e
+        t = threading.Thread(target=run, daemon=True)
         t.start()
         try:
-            result = work()
-        except Exception as e:
-            t.join(self.timeout_s)
-            raise RuntimeError(f"{path}: {type(e).__name__}: {e}; server: "
-                               f"{_reply(out)}") from e
-        t.join(self.timeout_s)
+            read = self.wait_s if path.endswith("distributed") else self.timeout_s
+            out["r"] = self.http.post(self.url + path, json=body, timeout=(
+                self.timeout_s, read, self.timeout_s, self.timeout_s))
+        except Exception as e:  # noqa: BLE001 -- reported below
+            out["e"] = e
         r = out.get("r")
-        if r is None or r.status_code != 200 or not r.json().get("success"):
+        ok = r is not None and r.status_code == 200 and r.json().get("success")
+        t.join(self.wait_s if ok else min(self.timeout_s, 10.0))
+        if t.is_alive() or "error" in out:
+            self.pg = None          # a collective the server never joined, or a broken group
+            why = "did not finish" if t.is_alive() else \
+                f"{type(out['error']).__name__}: {out['error']}"
+            raise RuntimeError(f"{path}: the {'rendezvous' if 'init' in path else 'broadcast'}"
+                               f" {why}; server: {_reply(out)}")
+        if not ok:
             raise RuntimeError(f"{path} failed: {_reply(out)}")
         self.last_reply = r.json()
-        return result
+        return out["result"]
 
     def push(self, tensors: Union[Mapping[str, torch.Tensor],
                                   Iterable[Tuple[str, torch.Tensor]]],
@@ -333,7 +349,7 @@ class WeightSender:
             self.http.post(self.url + "/destroy_weights_update_group",
                            json={"group_name": self.group_name})
         finally:
-            self.pg = None
+            self.pg = self.store = None
             self.http.close()
 
     def __enter__(self) -> "WeightSender":
