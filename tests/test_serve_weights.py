@@ -284,7 +284,8 @@ def test_a_pushed_update_equals_a_fresh_load_and_bad_metadata_changes_nothing(
 
 def test_a_rendezvous_that_cannot_complete_is_refused_and_the_server_serves_on(server, http):
     """The trainer counts 2 server ranks, the server has 1: the group never forms; both sides
-    give up at their timeouts (3 s, 5 s), the server keeps its weights and serves."""
+    give up at their timeouts (3 s, 5 s), the server keeps its weights and serves. A second
+    group under a name in use is refused and leaves the first one working."""
     before = gen(http, server.url)
     with pytest.raises(RuntimeError, match="init_weights_update_group"):
         WeightSender(server.url, server_ranks=2, timeout_s=3)
@@ -292,6 +293,15 @@ def test_a_rendezvous_that_cannot_complete_is_refused_and_the_server_serves_on(s
     after = gen(http, server.url)
     assert after[1] == before[1]
     assert_bitwise(after[2], before[2], "after a failed rendezvous")
+    # a second group of the same name is refused; the first one still works
+    with WeightSender(server.url, timeout_s=3) as sender:
+        with pytest.raises(RuntimeError, match="exists"):
+            WeightSender(server.url, timeout_s=3)
+        v = version(http, server.url)
+        assert sender.push(state_dict_hub(tiny_model(torch.float32)))["weight_version"] == v + 1
+    again = gen(http, server.url)
+    assert again[1] == before[1]
+    assert_bitwise(again[2], before[2], "the same weights pushed again")
 
 
 @pytest.mark.parametrize("layout", ["--tp", "--ep"], ids=["tp2", "ep2"])

@@ -336,8 +336,8 @@ class EngineService:
         out, err = self._attempt(lambda: getattr(self.sync, cmd.op)(*cmd.args))
         bad = [(r, e) for r, e in enumerate(self._gather(err)) if e]
         if bad:   # nothing changed anywhere: a weight-sync step only stages or joins a group
-            if hasattr(self.sync, "drop_staged"):   # every rank: the push starts over
-                self.sync.drop_staged()
+            if hasattr(self.sync, "undo"):   # every rank, also where op went through
+                self.sync.undo(cmd.op, *cmd.args)
             self._resolve(cmd.future, UpdateResult(False, _first(bad), max(e[2] for _, e in bad)))
         elif callable(out):
             self._queue_update(_Pending(out, f"{cmd.op}", cmd.version, cmd.future))

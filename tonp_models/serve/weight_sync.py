@@ -105,9 +105,11 @@ class WeightReceiver:
         self.params = dict(model.named_parameters())
         self.staged: Dict[str, torch.Tensor] = {}          # HF name -> this rank's region
         self.received: set = set()                         # every HF name staged this push
+        self._joined: Optional[str] = None                 # the group the last init joined
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> str:
+        self._joined = None
         if group_name in self.groups:
             raise WeightsRefused(f"group_name: a weight-update group {group_name!r} exists "
                                  f"(destroy it first)")
@@ -128,6 +130,7 @@ class WeightReceiver:
                                  f"{master_address}:{master_port} failed ({type(e).__name__}: "
                                  f"{str(e)[:200]})") from None
         self.groups[group_name] = (pg, backend)
+        self._joined = group_name
         return f"joined {group_name!r} as ranks {rank_offset}..{rank_offset + self.ranks - 1}"
 
     def destroy_group(self, group_name: str) -> str:
@@ -135,6 +138,14 @@ class WeightReceiver:
             raise WeightsRefused(f"group_name: no weight-update group {group_name!r}")
         self.drop_staged()
         return f"destroyed {group_name!r}"
+
+    def undo(self, op: str, *args) -> None:
+        """After `op(*args)` failed on some rank: leave every rank as if none had run it (a
+        group some ranks joined is left; a refused bucket drops the push's staged ones)."""
+        if op == "init_group" and self._joined == args[4]:   # joined by that very call
+            self.groups.pop(args[4], None)
+        elif op == "receive":
+            self.drop_staged()
 
     def drop_staged(self) -> None:
         self.staged, self.received = {}, set()
