@@ -22,6 +22,7 @@ Options tonp cannot honour raise ValueError at construction, naming the option.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import tempfile
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedModel
 from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from ..qwen3_moe import Qwen3MoeForCausalLM
 from .rollout import InProcessGenerator, ServerGenerator
@@ -99,10 +101,12 @@ class TonpPolicy(PreTrainedModel):
 
 def tonp_grpo_config(**kw) -> GRPOConfig:
     """A GRPOConfig with the settings tonp needs where TRL's defaults differ (both refused by
-    TonpGRPOTrainer otherwise): bf16=False (tonp runs in the model's own dtype, no autocast)
-    and gradient_checkpointing=False. Every other keyword is GRPOConfig's."""
+    TonpGRPOTrainer otherwise): bf16=False (tonp runs in the model's own dtype, no autocast),
+    activation_checkpointing=False, and use_cpu=True without CUDA. Every other keyword is
+    GRPOConfig's."""
     kw.setdefault("bf16", False)
-    kw.setdefault("gradient_checkpointing", False)
+    if "gradient_checkpointing" not in kw:      # transformers 5's name; the old one warns
+        kw.setdefault("activation_checkpointing", False)
     if not torch.cuda.is_available():
         kw.setdefault("use_cpu", True)
     return GRPOConfig(**kw)
@@ -131,12 +135,11 @@ def check_args(args: GRPOConfig, **trainer_kw) -> None:
     refuse(not args.temperature > 0, f"temperature={args.temperature} (must be > 0)")
     refuse(args.bf16 or args.fp16, "bf16/fp16=True (autocast mixed precision; tonp runs in the "
            "model's dtype: build Qwen3MoeForCausalLM(dtype=torch.bfloat16) and pass bf16=False)")
-    refuse(args.gradient_checkpointing, "gradient_checkpointing=True (GRPOConfig's default; "
-           "tonp's model has no activation checkpointing: pass False)")
+    refuse(args.gradient_checkpointing, "gradient_checkpointing / activation_checkpointing=True "
+           "(GRPOConfig's default; tonp's model has no activation checkpointing: pass False)")
     refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True (tonp's logprobs are fp32 "
            "already)")
     refuse(args.use_liger_kernel, "use_liger_kernel=True")
-    refuse(args.beta != 0.0, f"beta={args.beta} (a reference model is not supported yet)")
     refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy,
            "entropy_coef / use_adaptive_entropy (tonp gives entropies without grad)")
     refuse(args.router_aux_loss_coef not in (None, 0.0),
@@ -179,11 +182,25 @@ class TonpGRPOTrainer(GRPOTrainer):
                    tools=tools, rollout_func=rollout_func,
                    environment_factory=environment_factory)
         policy = model if isinstance(model, TonpPolicy) else TonpPolicy(model)
-        super().__init__(policy, reward_funcs=reward_funcs, args=args,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class,
-                         reward_processing_classes=reward_processing_classes,
-                         callbacks=callbacks, optimizers=optimizers)
+        # With beta > 0 TRL would load its reference model from the policy's hub id; tonp's is a
+        # frozen copy of the initial policy, built below (TRL reads beta only at construction).
+        beta, sync_ref = args.beta, args.sync_ref_model
+        args.beta, args.sync_ref_model = 0.0, False
+        try:
+            super().__init__(policy, reward_funcs=reward_funcs, args=args,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=processing_class,
+                             reward_processing_classes=reward_processing_classes,
+                             callbacks=callbacks, optimizers=optimizers)
+        finally:
+            args.beta, args.sync_ref_model = beta, sync_ref
+        self.beta = beta
+        if beta != 0.0:
+            tonp_ref = copy.deepcopy(self.accelerator.unwrap_model(self.model).tonp)
+            self.ref_model = TonpPolicy(tonp_ref.requires_grad_(False)).eval()
+            if sync_ref:
+                self.add_callback(SyncRefModelCallback(ref_model=self.ref_model,
+                                                       accelerator=self.accelerator))
         # TRL's vLLM importance-sampling branches read this attribute (not args.use_vllm, which
         # would construct vLLM): with it set they compare the engine's sampling logprobs with
         # the scorer's, correct the loss with the ratio and log sampling/* metrics.
