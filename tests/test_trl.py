@@ -177,3 +177,12 @@ def test_accelerate_two_processes(tmp_path):
     for mine, theirs in zip(res[0]["rollouts"], res[1]["rollouts"]):
         assert [p for p, _ in mine] == [p for p, _ in theirs]      # one group over both ranks
         assert [c for _, c in mine] != [c for _, c in theirs]
+
+
+def test_example_script(tmp_path):
+    sys.path.insert(0, str(REPO / "examples"))
+    import trl_grpo
+    rows = trl_grpo.main(["--steps", "2", "--batch", "4", "--num-generations", "4",
+                          "--max-completion-length", "4", "--out", str(tmp_path)])
+    assert [r["logdiff_max"] for r in rows] == [0.0, 0.0]
+    assert all(r["ratio_min"] == r["ratio_max"] == 1.0 for r in rows)
