@@ -99,6 +99,35 @@ def test_reference_model_kl_stays_on_policy(tmp_path_factory):
     assert kl[0] == 0.0 and kl[-1] > 0.0          # the policy moves away from its frozen copy
 
 
+def test_ragged_completions_top_k_top_p_temperature_stay_on_policy(tmp_path):
+    """Completions of many lengths (one token in 8 ends a request), truncated ones masked out,
+    top-k / top-p sampling at T = 0.7: the right-padded batch still scores exactly."""
+    from tonp_models.integrations.trl import TonpPolicy
+    model, w0 = tiny_policy()
+    policy = TonpPolicy(model)
+    policy.generation_config.eos_token_id = list(range(3, 320, 8))
+    trainer = make_trainer(policy, tmp_path, steps=STEPS, temperature=0.7, top_k=40, top_p=0.9,
+                           mask_truncated_completions=True, max_completion_length=10)
+    trainer.train()
+    log = trainer.state.log_history
+    _assert_on_policy(log, any(not torch.equal(w0[k], v) for k, v in model.named_parameters()),
+                      1)
+    lengths = [(r["completions/min_length"], r["completions/max_length"]) for r in log
+               if "completions/min_length" in r]
+    assert any(lo < hi for lo, hi in lengths), lengths
+
+
+def test_server_refuses_results_of_other_weights(tmp_path, server):
+    """A push by someone else between sync and generate: the generator raises."""
+    from tonp_models.integrations.rollout import ServerGenerator
+    model, _ = tiny_policy()
+    gen = ServerGenerator(server, str(tmp_path / "w"))
+    gen.sync(model, 0)
+    RolloutClient(server).update_weights(str(tmp_path / "w"))       # version + 1
+    with pytest.raises(RuntimeError, match="weight version"):
+        gen.generate([[52, 62]], [0], max_new_tokens=2, temperature=1.0, eos_token_ids=[257])
+
+
 def test_stock_kernels_twin_logs_a_difference(tmp_path_factory):
     log, _, _ = _run(tmp_path_factory, mode="torch")
     assert max(r[SAMPLING[0]] for r in sampling_rows(log)) > 0.0
@@ -139,6 +168,7 @@ def test_scorer_is_packed_token_logprobs_at_any_padding(tmp_path):
     ("gradient_checkpointing", True), ("bf16", True), ("cast_lm_head_to_fp32", True),
     ("use_liger_kernel", True), ("entropy_coef", 0.01), ("vllm_mode", "server"),
     ("vllm_structured_outputs_regex", "[0-9]+"), ("router_aux_loss_coef", 0.01),
+    ("sync_ref_model", True), ("temperature", 0.0),
 ])
 def test_unsupported_options_raise_naming_the_option(tmp_path, option, value):
     model, _ = tiny_policy()

@@ -140,6 +140,8 @@ def check_args(args: GRPOConfig, **trainer_kw) -> None:
     refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True (tonp's logprobs are fp32 "
            "already)")
     refuse(args.use_liger_kernel, "use_liger_kernel=True")
+    refuse(args.sync_ref_model and args.beta == 0.0, "sync_ref_model=True with beta=0 (no "
+           "reference model to sync: TRL's own rule)")
     refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy,
            "entropy_coef / use_adaptive_entropy (tonp gives entropies without grad)")
     refuse(args.router_aux_loss_coef not in (None, 0.0),
