@@ -4,8 +4,10 @@ and `RolloutClient`, a small client an RL loop rolls out and updates weights wit
 
     python -m tonp_models.serve --hf PATH --port 8000           # see docs/serving.md
 
-Modules: service.py (the engine thread, lockstep over ranks, weight updates), app.py (routes),
-protocol.py (request bodies and their checks), formats.py (response bodies, metrics),
+Modules: service.py (the engine thread, lockstep over ranks, weight updates), app.py (the app:
+lifespan, errors, routers), calls.py (the prompt -> engine-request builder and a call's
+outputs), common_api.py / openai_api.py / sglang_api.py / weights_api.py (the handlers of each
+dialect), protocol.py (request bodies and their checks), formats.py (response bodies, metrics),
 text.py (tokenizer and chat template), client.py (RolloutClient).
 """
 from .client import RolloutClient
