@@ -36,14 +36,14 @@ STEPS = 3
 _RUNS = {}
 
 
-def _run(tmp_path_factory, generator=None, mode="invariant", **config):
+def _run(tmp_path_factory, generator=None, mode="invariant", weights_dir=None, **config):
     """(log_history, whether the weights changed, weight versions the server went through) of a
     3-step run, cached per settings."""
-    key = (generator is not None, mode, tuple(sorted(config.items())))
+    key = (generator is not None, weights_dir is not None, mode, tuple(sorted(config.items())))
     if key not in _RUNS:
         model, w0 = tiny_policy()
         trainer = make_trainer(model, tmp_path_factory.mktemp("trl"), generator=generator,
-                               steps=STEPS, **config)
+                               weights_dir=weights_dir, steps=STEPS, **config)
         before = RolloutClient(generator).wait_ready()["weight_version"] if generator else None
         with tk.use(mode):
             trainer.train()
@@ -56,12 +56,14 @@ def _run(tmp_path_factory, generator=None, mode="invariant", **config):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A tonp server holding the tiny policy's initial weights (each run pushes its own)."""
+    """A tonp server holding the tiny policy's initial weights (each run pushes its own); disk
+    updates may come from inside its checkpoint directory."""
     ckpt = tmp_path_factory.mktemp("trl_ckpt")
     tiny_policy()[0].save_pretrained(ckpt)
     byte_tokenizer().save_pretrained(ckpt)
     with ServerProcess(["--hf", str(ckpt)]) as srv:
-        yield srv.url
+        srv.ckpt = ckpt
+        yield srv
 
 
 def _assert_on_policy(log, changed, num_iterations):
@@ -79,10 +81,15 @@ def test_in_process_is_on_policy(tmp_path_factory, num_iterations):
     _assert_on_policy(log, changed, num_iterations)
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
-def test_server_is_on_policy_and_equals_in_process(tmp_path_factory, server, num_iterations):
-    log, changed, pushes = _run(tmp_path_factory, generator=server,
-                                num_iterations=num_iterations)
+@pytest.mark.parametrize("num_iterations, transfer", [(1, "distributed"), (2, "distributed"),
+                                                      (1, "disk")])
+def test_server_is_on_policy_and_equals_in_process(tmp_path_factory, server, num_iterations,
+                                                   transfer):
+    """distributed: SGLang's /update_weights_from_distributed (gloo) from the trainer's
+    tensors; disk: /update_weights from a checkpoint written inside the server's directory."""
+    log, changed, pushes = _run(tmp_path_factory, generator=server.url,
+                                weights_dir=str(server.ckpt / "push") if transfer == "disk"
+                                else None, num_iterations=num_iterations)
     _assert_on_policy(log, changed, num_iterations)
     local, _, _ = _run(tmp_path_factory, num_iterations=num_iterations)
     assert [r.get("loss") for r in log] == [r.get("loss") for r in local]
@@ -117,15 +124,19 @@ def test_ragged_completions_top_k_top_p_temperature_stay_on_policy(tmp_path):
     assert any(lo < hi for lo, hi in lengths), lengths
 
 
-def test_server_refuses_results_of_other_weights(tmp_path, server):
+def test_server_refuses_results_of_other_weights(server):
     """A push by someone else between sync and generate: the generator raises."""
     from tonp_models.integrations.rollout import ServerGenerator
     model, _ = tiny_policy()
-    gen = ServerGenerator(server, str(tmp_path / "w"))
-    gen.sync(model, 0)
-    RolloutClient(server).update_weights(str(tmp_path / "w"))       # version + 1
-    with pytest.raises(RuntimeError, match="weight version"):
-        gen.generate([[52, 62]], [0], max_new_tokens=2, temperature=1.0, eos_token_ids=[257])
+    gen = ServerGenerator(server.url)
+    try:
+        gen.sync(model, 0)
+        RolloutClient(server.url).update_weights(str(server.ckpt))       # version + 1
+        with pytest.raises(RuntimeError, match="weight version"):
+            gen.generate([[52, 62]], [0], max_new_tokens=2, temperature=1.0,
+                         eos_token_ids=[257])
+    finally:
+        gen.close()
 
 
 def test_stock_kernels_twin_logs_a_difference(tmp_path_factory):
@@ -134,7 +145,7 @@ def test_stock_kernels_twin_logs_a_difference(tmp_path_factory):
 
 
 def test_stock_scorer_against_tonp_server_logs_a_difference(tmp_path_factory, server):
-    log, _, _ = _run(tmp_path_factory, generator=server, mode="torch")
+    log, _, _ = _run(tmp_path_factory, generator=server.url, mode="torch")
     assert max(r[SAMPLING[0]] for r in sampling_rows(log)) > 0.0
 
 
@@ -188,14 +199,17 @@ def test_unsupported_trainer_arguments_raise(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_accelerate_two_processes(tmp_path):
+@pytest.mark.parametrize("mode", ["in_process", "server"])
+def test_accelerate_two_processes(tmp_path, request, mode):
     """`accelerate launch --multi_gpu --num_processes 2` (its torchrun launcher; use_cpu: gloo
     DDP): TRL's metrics stay exact, both processes end with the same (changed) weights, and the
-    two halves of a prompt's group are different draws (each process its own noise keys)."""
+    two halves of a prompt's group are different draws (each process its own noise keys).
+    server: both processes generate on one server, rank 0 pushes, rank 1 learns the version."""
+    url = [request.getfixturevalue("server").url] if mode == "server" else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", "0",
-           str(REPO / "tests" / "trl_worker.py"), str(tmp_path)]
+           str(REPO / "tests" / "trl_worker.py"), str(tmp_path), *url]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -204,6 +218,8 @@ def test_accelerate_two_processes(tmp_path):
     _assert_on_policy(res[0]["log_history"], True, 1)
     w = [torch.load(tmp_path / f"weights{i}.pt") for i in range(2)]
     assert torch.equal(w[0], w[1])
+    if url:
+        assert res[0]["weight_version"] == res[1]["weight_version"] is not None
     for mine, theirs in zip(res[0]["rollouts"], res[1]["rollouts"]):
         assert [p for p, _ in mine] == [p for p, _ in theirs]      # one group over both ranks
         assert [c for _, c in mine] != [c for _, c in theirs]

@@ -39,8 +39,8 @@ def dataset(n: int = 8):
     return Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(n)]})
 
 
-def make_trainer(model, out_dir, *, generator=None, steps: int = 3, batch: int = 4,
-                 generations: int = 4, trainer_cls=None, **config):
+def make_trainer(model, out_dir, *, generator=None, weights_dir=None, steps: int = 3,
+                 batch: int = 4, generations: int = 4, trainer_cls=None, **config):
     from tonp_models.integrations.tokenizer import byte_tokenizer
     from tonp_models.integrations.trl import TonpGRPOTrainer, tonp_grpo_config
     kw = dict(output_dir=str(out_dir), per_device_train_batch_size=batch,
@@ -50,7 +50,8 @@ def make_trainer(model, out_dir, *, generator=None, steps: int = 3, batch: int =
     kw.update(config)
     return (trainer_cls or TonpGRPOTrainer)(
         model, reward_funcs=ascii_reward, args=tonp_grpo_config(**kw),
-        train_dataset=dataset(), processing_class=byte_tokenizer(), generator=generator)
+        train_dataset=dataset(), processing_class=byte_tokenizer(), generator=generator,
+        weights_dir=weights_dir)
 
 
 def sampling_rows(log_history):

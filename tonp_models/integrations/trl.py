@@ -25,12 +25,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import tempfile
 from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, TrainerCallback
 from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
@@ -158,21 +157,32 @@ def check_args(args: GRPOConfig, **trainer_kw) -> None:
         raise ValueError("TonpGRPOTrainer: cannot honour " + "; ".join(bad))
 
 
+class _CloseGenerator(TrainerCallback):
+    """Leaves the server's weight-update group when training ends (a next train() rejoins)."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.generator.close()
+
+
 class TonpGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` with tonp's model as the policy and tonp's engine as the generator.
 
     model: a tonp `Qwen3MoeForCausalLM` (or a TonpPolicy); generator: None (in process: the
-    engine runs on the training model itself) or a tonp server URL (weights pushed through
-    `/update_weights` from `weights_dir`, default a temporary directory, before every
-    generation); processing_class: required (no hub). Other arguments are GRPOTrainer's; those
-    tonp cannot honour raise ValueError (`check_args`). Sampling noise keys are distinct across
-    steps and processes: (generation call * processes + process) * 2**32 + row.
+    engine runs on the training model itself) or a tonp server URL (weights pushed before every
+    generation: through SGLang's distributed update to its `server_ranks` ranks, or with
+    `weights_dir`, by `/update_weights` from a checkpoint written there); processing_class:
+    required (no hub). Other arguments are GRPOTrainer's; those tonp cannot honour raise
+    ValueError (`check_args`). Sampling noise keys are distinct across steps and processes:
+    (generation call * processes + process) * 2**32 + row.
     """
 
     def __init__(self, model, reward_funcs=None, args: Optional[GRPOConfig] = None,
                  train_dataset=None, eval_dataset=None, processing_class=None, *,
                  generator: Optional[str] = None, weights_dir: Optional[str] = None,
-                 max_batch_size: Optional[int] = None, callbacks=None,
+                 server_ranks: int = 1, max_batch_size: Optional[int] = None, callbacks=None,
                  optimizers=(None, None), reward_processing_classes=None, peft_config=None,
                  quantization_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
@@ -213,12 +223,11 @@ class TonpGRPOTrainer(GRPOTrainer):
         if generator is None:
             self.tonp_generator = InProcessGenerator(tonp, max_batch_size=max_batch_size)
         else:
-            if weights_dir is None:
-                self._weights_tmp = tempfile.TemporaryDirectory(prefix="tonp_trl_weights_")
-                weights_dir = self._weights_tmp.name
             self.tonp_generator = ServerGenerator(
-                generator, weights_dir, is_main=self.accelerator.is_main_process,
+                generator, weights_dir, server_ranks=server_ranks,
+                is_main=self.accelerator.is_main_process,
                 share_version=self._share if self.accelerator.num_processes > 1 else None)
+        self.add_callback(_CloseGenerator(self.tonp_generator))
         # TRL's vLLM client would fetch these; the engine needs them per call.
         self._tonp_top_k = self.top_k if self.top_k else None
         self._tonp_top_p = self.top_p if self.top_p < 1.0 else None
