@@ -150,6 +150,8 @@ def test_stock_scorer_against_tonp_server_logs_a_difference(tmp_path_factory, se
 
 
 def test_scorer_is_packed_token_logprobs_at_any_padding(tmp_path):
+    """TRL's [B, P + C] layout at two paddings and micro-batch sizes -> the completion rows of
+    `token_logprobs` of the unpadded sequences, bit for bit (0 past each completion)."""
     model, _ = tiny_policy()
     trainer = make_trainer(model, tmp_path, steps=1)
     seqs = [torch.tensor([52, 48, 55, 62, 1, 2, 3]), torch.tensor([51, 62, 9]),
@@ -164,10 +166,10 @@ def test_scorer_is_packed_token_logprobs_at_any_padding(tmp_path):
         for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
             ids[i, P - p:P + len(s) - p], mask[i, P - p:P + len(s) - p] = s, 1
         return ids, mask, C
-    for extra in (0, 3):
+    for extra, micro_batch in ((0, None), (3, 2)):
         ids, mask, C = padded(extra)
-        lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
-                                                                compute_entropy=True)
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, C, batch_size=micro_batch, compute_entropy=True)
         for i, (w, p) in enumerate(zip(want, prompt_lens)):
             n = len(seqs[i]) - p
             assert torch.equal(lp[i, :n], w[p - 1:]) and torch.equal(lp[i, n:], torch.zeros(C - n))

@@ -76,11 +76,14 @@ class TonpPolicy(PreTrainedModel):
         lps = self.tonp.token_logprobs(sequences, temperature, micro_batch_size=micro_batch_size)
         ents = None
         if entropy:
+            mb = micro_batch_size or max(len(sequences), 1)
             with torch.no_grad():
-                ents = self._entropies(sequences, temperature)
+                ents = [e for i in range(0, len(sequences), mb)
+                        for e in self._entropies(sequences[i:i + mb], temperature)]
         return lps, ents
 
     def _entropies(self, seqs, temperature) -> List[torch.Tensor]:
+        """Per sequence fp32 [len - 1]: the entropy of each predicting row's distribution."""
         lens = [len(s) for s in seqs]
         ids = torch.cat([torch.as_tensor(s) for s in seqs]).long()
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
