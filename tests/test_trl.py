@@ -25,12 +25,10 @@ import torch
 from serve_utils import REPO, ServerProcess
 from trl_utils import SAMPLING, make_trainer, sampling_rows, tiny_policy
 
-pytest.importorskip("trl", reason="the TRL integration tests need trl (requirements-test.txt)")
-
-import tonp_kernels as tk  # noqa: E402
-from tonp_models.integrations.tokenizer import byte_tokenizer  # noqa: E402
-from tonp_models.serve import RolloutClient  # noqa: E402
-from tonp_models.integrations.trl import TonpGRPOTrainer, tonp_grpo_config  # noqa: E402
+import tonp_kernels as tk
+from tonp_models.integrations.tokenizer import byte_tokenizer
+from tonp_models.integrations.trl import TonpGRPOTrainer, tonp_grpo_config
+from tonp_models.serve import RolloutClient
 
 STEPS = 3
 _RUNS = {}
