@@ -36,6 +36,7 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers>=5", "megatron-core"],
         "megatron": ["megatron-core"],
+        "trl": ["trl>=1.16,<2"],
         "npu": ["torch_npu"],
         "cuda": ["apex", "transformer-engine"],
     },
