@@ -17,6 +17,7 @@ class SamplingParams:
     eos_token_ids / stop_token_ids: generating one ends the request (finish "eos" / "stop";
         the token is kept). max_new_tokens: then "length".
     top_logprobs: also report the k most likely tokens of each step's distribution.
+    Entry points make it with `engine.rules.sampling`, which checks every value.
     """
     max_new_tokens: int = 16
     temperature: float = 0.0
