@@ -253,8 +253,10 @@ def test_a_pushed_update_equals_a_fresh_load_and_bad_metadata_changes_nothing(
             assert reply["success"] and reply["weight_version"] == v0 + 10, reply
             t.join(120)
             # the request in flight ran under one weight version: the old weights'
-            ids = [i for c in stream["chunks"] for i in c["output_ids"]]
-            got = [x[0] for c in stream["chunks"] for x in c["meta_info"]["output_token_logprobs"]]
+            # SGLang's stream: every event holds the whole result so far
+            last = stream["chunks"][-1]
+            ids = last["output_ids"]
+            got = [x[0] for x in last["meta_info"]["output_token_logprobs"]]
             assert len(ids) == 600
             assert {c["meta_info"]["weight_version"] for c in stream["chunks"]} == {v0}
             assert_bitwise(torch.tensor(got), score(old, P, ids), "in flight during the push")
@@ -324,12 +326,33 @@ def test_a_two_rank_server_takes_the_push_on_every_rank(ckpt, new_model, layout)
 # ---------------------------------------------------------------------------------------------
 # A request that breaks a step fails alone
 # ---------------------------------------------------------------------------------------------
+POISON = 7   # a token id whose step the _Poisoned model below breaks
+
+
+class _Poisoned(torch.nn.Module):
+    """The tiny model whose forward raises when a step feeds the token POISON: a request that
+    breaks a step (the door checks every value it can; this is what they cannot foresee)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def new_cache(self, *a, **kw):
+        return self.inner.new_cache(*a, **kw)
+
+    def forward(self, input_ids, *a, **kw):
+        if bool((input_ids == POISON).any()):
+            raise RuntimeError("injected: this step fed the poisoned token")
+        return self.inner(input_ids, *a, **kw)
+
+
 def test_a_request_that_breaks_a_step_fails_alone_and_the_engine_serves_on():
     from tonp_models import generate
     from tonp_models.engine import Engine, Request, SamplingParams
     from tonp_models.serve.service import EngineService
     model = tiny_model(torch.float32)
-    service = EngineService(Engine(model, max_batch_size=4), lambda path: None)
+    assert POISON not in P
+    service = EngineService(Engine(_Poisoned(model), max_batch_size=4), lambda path: None)
     done, outs = threading.Event(), {}
 
     def sink(out):
@@ -338,8 +361,8 @@ def test_a_request_that_breaks_a_step_fails_alone_and_the_engine_serves_on():
             if len(outs) == 2:
                 done.set()
     service.start()
-    try:   # noise keys >= 2**63 overflow the sampler's int64 ids inside engine.step
-        service.submit([Request("bad", P, SamplingParams(5, 1.0), noise_key=2**63)], sink)
+    try:
+        service.submit([Request("bad", P + [POISON], SamplingParams(5, 1.0))], sink)
         wait_until(lambda: "bad" in outs, 30, "the bad request's end")
         service.submit([Request("good", P, SamplingParams(5, 1.0, seed=3), noise_key=1)], sink)
         assert done.wait(30)
@@ -350,6 +373,16 @@ def test_a_request_that_breaks_a_step_fails_alone_and_the_engine_serves_on():
     ref = generate(model, [P], 5, temperature=1.0, seed=3, request_ids=[1])
     assert outs["good"].completion == ref.sequences[0][len(P):].tolist()
     assert_bitwise(torch.tensor(outs["good"].logprobs), ref.logprobs[0], "after the bad step")
+
+
+def test_a_noise_key_past_the_bound_is_refused_at_the_door():
+    """Noise keys >= 2**63 once overflowed the sampler's int64 ids inside engine.step and
+    killed the engine thread; the request rules refuse them before they are queued."""
+    from tonp_models.engine import Engine, Request, SamplingParams
+    engine = Engine(tiny_model(torch.float32), max_batch_size=2)
+    with pytest.raises(ValueError, match=r"noise_key must be in \[0, 9223372036854775808\)"):
+        engine.add(Request("bad", P, SamplingParams(5, 1.0), noise_key=2**63))
+    assert not engine.has_work
 
 
 class _FailingForward(torch.nn.Module):

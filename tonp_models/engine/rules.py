@@ -47,11 +47,12 @@ def token_set(who: str, name: str, ids, vocab: int) -> frozenset:
 
 def sampling(who: str, *, max_new_tokens, vocab: int, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_ids=None, stop_token_ids=None, top_logprobs=0,
-             max_top_logprobs: Optional[int] = None) -> SamplingParams:
+             max_top_logprobs: Optional[int] = None, prompt_logprobs=None) -> SamplingParams:
     """SamplingParams from a request's values, each checked (see SamplingParams): max_new_tokens
     an int >= 0; temperature 0 (greedy) or a normal fp32 number; top_k None or an int >= 1;
     top_p None or a real in (0, 1]; seed an int in [0, 2**64); eos / stop ids as `token_set`;
-    top_logprobs an int in [0, max_top_logprobs] (None = no upper bound)."""
+    top_logprobs an int in [0, max_top_logprobs] (None = no upper bound); prompt_logprobs None
+    or an int in the same range."""
     new = _field("max_new_tokens", lambda: as_int(who, "max_new_tokens", max_new_tokens, 0))
     t = _field("temperature", lambda: check_temperature(who, temperature, greedy_ok=True))
     k = None if top_k is None else _field("top_k", lambda: as_int(who, "top_k", top_k, 1))
@@ -60,14 +61,17 @@ def sampling(who: str, *, max_new_tokens, vocab: int, temperature=0.0, top_k=Non
     eos = _field("eos_token_id", lambda: token_set(who, "eos_token_id", eos_token_ids, vocab))
     stop = _field("stop_token_ids", lambda: token_set(who, "stop_token_ids", stop_token_ids,
                                                       vocab))
-    top = _field("top_logprobs", lambda: _top_logprobs(who, top_logprobs, max_top_logprobs))
-    return SamplingParams(new, t, k, p, s, eos, stop, top)
+    top = _field("top_logprobs", lambda: _top_logprobs(who, "top_logprobs", top_logprobs,
+                                                       max_top_logprobs))
+    prompt = None if prompt_logprobs is None else _field("prompt_logprobs", lambda: _top_logprobs(
+        who, "prompt_logprobs", prompt_logprobs, max_top_logprobs))
+    return SamplingParams(new, t, k, p, s, eos, stop, top, prompt_logprobs=prompt)
 
 
-def _top_logprobs(who: str, n, most: Optional[int]) -> int:
-    n = as_int(who, "top_logprobs", n, 0)
+def _top_logprobs(who: str, name: str, n, most: Optional[int]) -> int:
+    n = as_int(who, name, n, 0)
     if most is not None and n > most:
-        raise ValueError(f"{who}: top_logprobs must be at most {most}, got {n}")
+        raise ValueError(f"{who}: {name} must be at most {most}, got {n}")
     return n
 
 

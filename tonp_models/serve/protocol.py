@@ -2,7 +2,7 @@
 
 Bodies are pydantic models with `extra="forbid"` and strict types: an unknown field, a string
 where a number belongs or a bool where an integer belongs is a 400 naming the field. Values are
-then checked with the rules `generate` uses (tonp_models.checks): temperature 0 (greedy) or a
+then checked with the rules `generate` uses (tonp_models/engine/rules.py): temperature 0 (greedy) or a
 normal fp32 number, top_p in (0, 1], top_k >= 1, seed in [0, 2**64), token ids in the
 vocabulary, prompt + max tokens within the context, n within the server's limit, logprob
 counts within --max-logprobs. vLLM's and OpenAI's fields tonp does not implement (penalties,
@@ -17,8 +17,7 @@ from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..checks import as_int, check_temperature
-from ..engine import SamplingParams
+from ..engine import SamplingParams, rules
 
 
 class ApiError(Exception):
@@ -199,29 +198,25 @@ def sampling_params(*, temperature, top_p, top_k, seed, max_new: int, eos: List[
                     stop_ids: Optional[List[int]], top_logprobs: int, vocab: int,
                     prompt_logprobs: Optional[int] = None, max_logprobs: int = 20,
                     top_name: str = "logprobs") -> SamplingParams:
-    """SamplingParams from request values, each checked by generate's rules (400 naming it)."""
-    def check(param, fn):
-        try:
-            return fn()
-        except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), param) from None
-
-    t = check("temperature", lambda: check_temperature(
-        "request", 1.0 if temperature is None else temperature, greedy_ok=True))
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ApiError(400, f"request: top_p must be in (0, 1], got {top_p!r}", "top_p")
-    k = None if top_k is None else check("top_k", lambda: as_int("request", "top_k", top_k, 1))
-    s = secrets.randbits(63) if seed is None else \
-        check("seed", lambda: as_int("request", "seed", seed, 0, 2**64))
-    stop = check("stop_token_ids", lambda: [as_int("request", f"stop_token_ids[{j}]", v, 0, vocab)
-                                            for j, v in enumerate(stop_ids or [])])
-    for name, v in ((top_name, top_logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if v is not None and not 0 <= v <= max_logprobs:
-            raise ApiError(400, f"request: {name} must be in [0, {max_logprobs}] (the server's "
-                                f"--max-logprobs), got {v}", name)
-    return SamplingParams(max_new, t, k, None if top_p in (None, 1.0) else top_p, s,
-                          frozenset(eos), frozenset(stop), top_logprobs,
-                          prompt_logprobs=prompt_logprobs)
+    """SamplingParams from request values, checked by the engine's request rules
+    (engine/rules.py, the ones `generate` uses); a 400 naming the field otherwise. The server's
+    own defaults: temperature 1, top_p 1 = off, a missing seed drawn at random; the top
+    logprobs bound is --max-logprobs."""
+    try:
+        return rules.sampling(
+            "request", max_new_tokens=max_new, vocab=vocab,
+            temperature=1.0 if temperature is None else temperature, top_k=top_k,
+            top_p=None if top_p == 1.0 else top_p,
+            seed=secrets.randbits(63) if seed is None else seed, eos_token_ids=eos,
+            stop_token_ids=stop_ids or [], top_logprobs=top_logprobs,
+            max_top_logprobs=max_logprobs, prompt_logprobs=prompt_logprobs)
+    except (TypeError, ValueError) as e:
+        field = getattr(e, "field", None)
+        param = top_name if field == "top_logprobs" else field
+        msg = str(e).replace("top_logprobs", top_name) if param == top_name else str(e)
+        hint = " (the server's --max-logprobs)" if "must be at most" in msg and param in (
+            top_name, "prompt_logprobs") else ""
+        raise ApiError(400, msg + hint, param) from None
 
 
 def check_n(n: int, prompts: int, max_n: int) -> None:
