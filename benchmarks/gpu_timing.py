@@ -12,6 +12,7 @@ import torch
 import tonp_kernels as tk
 from gpu_sections import BF16, Inputs, numerics
 from tonp_kernels.accel import fast_linear as fl, linear as exact_linear
+from tonp_models.engine import PageAllocator, extend
 
 FP32_PEAK_TFLOPS = 67.0  # H100 / H200 SXM datasheet (a lead; SGEMM is measured beside it)
 # Decode-shaped linears of the 30B model (K, N): qkv, o_proj, lm_head; and a square one.
@@ -101,14 +102,14 @@ def exact_gemm(sec) -> None:
 def _decode_runner(model, batch: int, prompt: int, steps: int):
     """A prefilled cache of `batch` sequences and a function running one decode step."""
     dev = model.embed_tokens.weight.device
-    cache = model.new_cache(batch, prompt + steps + 2)
-    slots = [cache.add_sequence() for _ in range(batch)]
+    pages = PageAllocator(model.new_cache(batch, prompt + steps + 2))
+    slots = [pages.add_sequence() for _ in range(batch)]
     ids = torch.randint(0, model.config.vocab_size, (batch * prompt,), device=dev)
     cu = torch.arange(0, batch * prompt + 1, prompt, device=dev)
-    model(ids, cu, cache=cache, cache_slots=slots, logits_rows=cu[1:] - 1)
+    extend(model, pages, ids, slots, cu, logits_rows=cu[1:] - 1)
     step_ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
     step_cu = torch.arange(batch + 1, device=dev)
-    return lambda: model(step_ids, step_cu, cache=cache, cache_slots=slots)
+    return lambda: extend(model, pages, step_ids, slots, step_cu)
 
 
 def model_decode(sec) -> None:

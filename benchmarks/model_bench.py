@@ -34,6 +34,7 @@ import torch
 
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
+from tonp_models.engine import PageAllocator, extend
 
 import roofline
 from benchlib import free_memory, log, summarize, timeit_interleaved
@@ -286,19 +287,18 @@ def profile_decode(model, case: Case, batch: int, mode: str = "invariant", top: 
     steps = case.profile_steps
     prompts = _tokens(case, (batch, case.prompt_len), seed=batch)
     with torch.no_grad(), tk.use(mode):
-        cache = model.new_cache(batch, case.prompt_len + steps + 1)
-        slots = [cache.add_sequence() for _ in range(batch)]
+        pages = PageAllocator(model.new_cache(batch, case.prompt_len + steps + 1))
+        slots = [pages.add_sequence() for _ in range(batch)]
         cu = torch.arange(batch + 1, dtype=torch.int32) * case.prompt_len
-        logits = model(prompts.reshape(-1), cu, cache=cache, cache_slots=slots,
-                       logits_rows=(cu[1:] - 1).long())
+        logits = extend(model, pages, prompts.reshape(-1), slots, cu,
+                        logits_rows=(cu[1:] - 1).long())
         state = {"ids": tk.argmax(logits)}
         cu1 = torch.arange(batch + 1, dtype=torch.int32)
         rows = torch.arange(batch)
 
         def decode():
             for _ in range(steps):
-                logits = model(state["ids"], cu1, cache=cache, cache_slots=slots,
-                               logits_rows=rows)
+                logits = extend(model, pages, state["ids"], slots, cu1, logits_rows=rows)
                 state["ids"] = tk.argmax(logits)
         return _profile(decode, steps, top)
 

@@ -25,8 +25,8 @@ from tonp_models import Qwen3MoeForCausalLM
 from tonp_models.training import (ItemSampler, evaluate, load_tokenizer, response_loss,
                                   response_step)
 from tonp_models.training.cli import (DTYPES, add_launch_args, add_training_args, fraction,
-                                      launch, layout_meta, positive_int, run_script,
-                                      run_supervised)
+                                      launch, layout_meta, positive_int, prepare_run_dir,
+                                      run_script, run_supervised)
 
 SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sft.jsonl")
 Example = Tuple[List[int], List[int]]
@@ -96,6 +96,7 @@ def _train(args, groups) -> Dict:
     if not os.path.isfile(os.path.join(args.init, "config.json")):
         raise FileNotFoundError(f"--init {args.init}: not an HF checkpoint directory (no "
                                 f"config.json); export one with examples/pretrain.py")
+    prepare_run_dir(args, groups)               # refuses to land on another run's history
     torch.manual_seed(args.seed)
     model = Qwen3MoeForCausalLM.from_pretrained(
         args.init, dtype=DTYPES[args.dtype] if args.dtype else None,
@@ -108,7 +109,7 @@ def _train(args, groups) -> Dict:
                           what="training pairs")
     meta = {"script": "finetune", "config": model.config.to_hf(),
             "init": os.path.abspath(args.init), "dtype": str(model.dtype),
-            "layout": layout_meta(groups), "seed": args.seed}
+            "layout": layout_meta(groups)}
 
     def loss(batch):
         return (response_step(model, [p for p, _ in batch], [r for _, r in batch],
@@ -119,6 +120,7 @@ def _train(args, groups) -> Dict:
         return float(response_loss(model, *zip(*part))) * n, n
 
     out = run_supervised(args, groups, model, sampler, loss, meta=meta, name="finetune",
+                         fixed=("data", "max_len", "val_fraction"),
                          eval_fn=(lambda: evaluate(model, val, args.batch_size, groups, nll))
                          if val else None, files_from=args.init)
     out["tokenizer"] = type(tokenizer).__name__

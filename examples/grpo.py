@@ -1,10 +1,10 @@
 """True on-policy RL (GRPO with a PPO-clip loss) with one model as trainer and rollout engine.
 
     python examples/grpo.py                          # tiny model, digit-copy task, invariant kernels
-    python examples/grpo.py --mode torch             # stock torch ops: logdiff > 0, ratio != 1
-    python examples/grpo.py --init out/pretrain/hf --task reverse
-    torchrun --nproc-per-node 2 examples/grpo.py     # data parallel (each rank its own prompts)
-    torchrun --nproc-per-node 2 examples/grpo.py --pp 2 --rollout-tp 2   # train PP 2, roll out TP 2
+    python examples/grpo.py --mode torch --out out/grpo_torch   # stock ops: logdiff > 0, ratio != 1
+    python examples/grpo.py --init out/pretrain/hf --task reverse --out out/grpo_rev
+    torchrun --nproc-per-node 2 examples/grpo.py --out out/grpo_dp2   # DP: each rank its prompts
+    torchrun --nproc-per-node 2 examples/grpo.py --pp 2 --rollout-tp 2 --overwrite   # in out/grpo
 
 Each step samples --group-size responses per prompt with `tonp_models.generate`, rewards them
 (copy "407>" -> "407", reverse -> "704", add "3+5>" -> "8"; partial credit per character),
@@ -34,9 +34,10 @@ from tonp_models import Qwen3MoeForCausalLM
 from tonp_models.qwen3_moe.checkpoint import copy_parameters
 from tonp_models.training import (ByteTokenizer, MetricLogger, Trainer, build_model, dp_mean,
                                   plot_curves, response_step)
-from tonp_models.training.cli import (DTYPES, add_config_args, add_launch_args, export_hf,
-                                      launch, layout_meta, load_config, non_negative_float,
-                                      non_negative_int, positive_float, positive_int, run_script)
+from tonp_models.training.cli import (DTYPES, add_config_args, add_launch_args,
+                                      add_overwrite_arg, export_hf, launch, layout_meta,
+                                      load_config, non_negative_float, non_negative_int,
+                                      positive_float, positive_int, prepare_run_dir, run_script)
 from tonp_models.training.rollouts import replica_share, rollout_all
 
 TASKS = ("copy", "reverse", "add")
@@ -194,6 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--init", help="an HF checkpoint dir to start from (default: fresh tiny)")
     add_config_args(ap)
     ap.add_argument("--out", default="out/grpo")
+    add_overwrite_arg(ap)
     ap.add_argument("--steps", type=non_negative_int, default=60, help="RL steps")
     ap.add_argument("--sft-steps", type=non_negative_int, default=35,
                     help="supervised warm-start steps")
@@ -232,6 +234,7 @@ def main(argv=None) -> Dict:
 def _run(args, groups) -> Dict:
     from tqdm.auto import tqdm
     is_main = groups.rank == 0
+    prepare_run_dir(args, groups, can_resume=False)   # refuses to land on another run's history
     dtype = DTYPES[args.dtype]
     if args.init:
         torch.manual_seed(args.seed)

@@ -3,15 +3,18 @@
     python examples/pretrain.py                                   # tiny preset, bundled corpus
     python examples/pretrain.py --steps 400 --dtype bf16 --out out/run1
     python examples/pretrain.py --out out/run1 --resume           # continue from the latest ckpt
-    torchrun --nproc-per-node 2 examples/pretrain.py              # data parallel x2
-    torchrun --nproc-per-node 4 examples/pretrain.py --tp 2 --ep 2
-    torchrun --nproc-per-node 4 examples/pretrain.py --pp 2 --tp 2 --sp --micro-batches 4
-    torchrun --nproc-per-node 2 examples/pretrain.py --cp 2 --seq-len 1024
+    python examples/pretrain.py --out out/run1 --overwrite        # start run1 again, afresh
+    torchrun --nproc-per-node 2 examples/pretrain.py --out out/dp2          # data parallel x2
+    torchrun --nproc-per-node 4 examples/pretrain.py --out out/tpep --tp 2 --ep 2
+    torchrun --nproc-per-node 4 examples/pretrain.py --out out/pp2 --pp 2 --tp 2 --sp \
+        --micro-batches 4
+    torchrun --nproc-per-node 2 examples/pretrain.py --out out/cp2 --cp 2 --seq-len 1024
 
 The loss is the mean of -log p(next token) from `model.token_logprobs` (the numbers an RL loop
 scores rollouts with), run by `model.forward_backward` in --micro-batches micro-batches (the
 1F1B pipeline schedule under --pp; the same loss bits at every --pp for the same micro-batches). The loop, optimizer, checkpoints and `--resume` (bit for bit) are
-tonp_models.training's (see docs/training.md); the HF export goes to <out>/hf.
+tonp_models.training's (see docs/training.md); the HF export goes to <out>/hf. A new run in an
+--out that holds one is refused: --resume it, --overwrite it, or choose another --out.
 --data: a UTF-8 text file (bytes are the tokens) or a raw token file (.bin/.u16 = uint16,
 .u32 = uint32, memory-mapped); default examples/data/corpus.txt (examples/make_corpus.py).
 """
@@ -28,8 +31,8 @@ from tonp_models.training import (ByteTokenizer, WindowSampler, build_model, che
                                   evaluate, lm_step, load_tokens, window_rows)
 from tonp_models.training.cli import (DTYPES, add_config_args, add_launch_args,
                                       add_training_args, fraction, launch, layout_meta,
-                                      load_config, non_negative_int, positive_int, run_script,
-                                      run_supervised)
+                                      load_config, non_negative_int, positive_int,
+                                      prepare_run_dir, run_script, run_supervised)
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
@@ -58,6 +61,7 @@ def main(argv=None) -> Dict:
 
 def _train(args, groups) -> Dict:
     config = load_config(args)
+    prepare_run_dir(args, groups)               # refuses to land on another run's history
     tokens = load_tokens(args.data, ByteTokenizer(config.bos_token_id, config.eos_token_id),
                          args.token_dtype)
     check_vocab(tokens, config.vocab_size, args.data)
@@ -67,7 +71,7 @@ def _train(args, groups) -> Dict:
                             groups.dp_size)
     model = build_model(config, DTYPES[args.dtype], groups, args.seed)
     meta = {"script": "pretrain", "config": config.to_hf(), "dtype": args.dtype,
-            "layout": layout_meta(groups), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+            "layout": layout_meta(groups)}
 
     def nll(windows):                           # (sum of -log p, tokens) of held-out windows
         rows = window_rows(val, windows, args.seq_len)
@@ -78,7 +82,7 @@ def _train(args, groups) -> Dict:
     return run_supervised(
         args, groups, model, sampler,
         lambda b: (lm_step(model, b, args.micro_batches), b[:, 1:].numel()),
-        meta=meta, name="pretrain",
+        meta=meta, name="pretrain", fixed=("data", "token_dtype", "val_fraction", "seq_len"),
         eval_fn=lambda: evaluate(model, range(n_eval), args.batch_size, groups, nll))
 
 

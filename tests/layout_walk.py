@@ -18,7 +18,7 @@ from test_parallel_model import _assert_same_rollout
 
 PROMPTS = [[3, 17, 200, 45, 9, 1, 2], [250, 9], [11, 12, 13, 14, 15]]
 # The second shares 6 tokens of the first's first page and waits for it: a prefix-cache hit that
-# forks a partial page (PagedKVCache.fork, on every layer this stage holds).
+# forks a partial page (PageAllocator.fork, on every layer this stage holds).
 FORKED = [[3, 17, 200, 45, 9, 1, 2, 8, 8], [3, 17, 200, 45, 9, 1, 5]]
 NEW_TOKENS = 4
 SAMPLING = dict(temperature=0.8, top_p=0.9, seed=5)

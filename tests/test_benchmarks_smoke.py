@@ -80,3 +80,19 @@ def test_train_bench_quick_writes_its_targets(tmp_path):
         assert all(s > 0 for s in data[dt]["seconds"].values())
     md = (tmp_path / "train_quick.md").read_text()
     assert md.count("| met |") + md.count("| **NOT met** |") == 6 and data["isa"] in md
+
+
+@pytest.mark.timeout(180)
+def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
+    """benchmarks/decode_bench.py --smoke: every batch row has its bound, the engine's overhead
+    and tonp's batch-1 bits; vLLM is reported absent unless asked for."""
+    import decode_bench
+    data = decode_bench.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path)])
+    rows = data["results"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["tonp_batch_invariant"] is True
+        assert r["bound"]["kind"] in ("memory", "compute") and 0 < r["fraction_of_bound"]
+        assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
+    md = (tmp_path / "decode_smoke.md").read_text()
+    assert "kernel table" in md and "vLLM:" in md

@@ -18,7 +18,9 @@ import tonp_kernels as tk
 from conftest import assert_bitwise
 from test_generation import prompts, tiny_model
 from tonp_models import generate
-from tonp_models.engine import Engine, PrefixCache, Request, SamplingParams
+from tonp_models.layers import CacheFullError
+from tonp_models.engine import (Engine, PageAllocator, PrefixCache, Request, SamplingParams,
+                                extend, rules)
 from tonp_models.engine.prefix_cache import Match
 
 B = 16  # the tiny preset's attention block = page size
@@ -33,7 +35,7 @@ def _feed(model, cache, prefix, tokens):
     if m.fork:
         cache.fork(slot, *m.fork)
     with torch.no_grad():
-        logits = model(torch.tensor(tokens[m.length:]), cache=cache, cache_slots=[slot])
+        logits = extend(model, cache, torch.tensor(tokens[m.length:]), [slot])
     if prefix is not None:
         prefix.note(slot, tokens, list(m.keys), m.length, len(tokens))
     return logits, m.length
@@ -54,7 +56,7 @@ def _variants(a):
 def test_prefix_cache_hit_changes_no_bit():
     model = tiny_model(torch.float32)
     a = prompts((40,), seed=4)[0].tolist()
-    cache = model.new_cache(16, 64)
+    cache = PageAllocator(model.new_cache(16, 64))
     prefix = PrefixCache(cache)
     _feed(model, cache, prefix, a)
     for name, tokens, cached in _variants(a):
@@ -72,7 +74,7 @@ def test_prefix_cache_hit_changes_bits_with_stock_torch(torch_mode):
     after a cache hit differ from the same rows computed with the whole prompt."""
     model = tiny_model(torch.float32)
     a = prompts((40,), seed=4)[0].tolist()
-    cache = model.new_cache(16, 64)
+    cache = PageAllocator(model.new_cache(16, 64))
     prefix = PrefixCache(cache)
     _feed(model, cache, prefix, a)
     differ = []
@@ -256,7 +258,7 @@ def test_a_prefix_hit_that_does_not_fit_beside_its_source_is_recomputed():
 
 def test_kv_cache_pages_are_reference_counted():
     model = tiny_model(torch.float32)
-    cache = model.new_cache(3, 64, num_pages=4)
+    cache = PageAllocator(model.new_cache(3, 64, num_pages=4))
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.commit(cache.prepare([a], [2 * B]))
     pa = cache.pages(a)
@@ -286,9 +288,60 @@ def test_engine_refuses_requests_it_can_never_run():
     for tokens, match, exc in bad:
         with pytest.raises(exc, match="engine: request r.*" + match):
             engine.add(Request("r", tokens, SamplingParams(10), name="r"))
+    for key in (2**63, -1):   # the sampling kernel's int64 noise keys: refused at add, not step
+        with pytest.raises(ValueError, match=r"engine: request r: noise_key must be in \[0, 92"):
+            engine.add(Request("r", [1, 2], SamplingParams(10), noise_key=key, name="r"))
     with pytest.raises(ValueError, match="max_step_tokens=1 must be >= max_batch_size=2"):
         Engine(model, max_batch_size=2, max_step_tokens=1)
     assert not engine.has_work
+
+
+def test_request_rules_name_the_field_they_refuse():
+    """The rules every entry point shares tag each error with the argument it is about (the
+    service's 400 names it)."""
+    for kw, exc, field, match in [
+            (dict(top_p=0.0), ValueError, "top_p", r"top_p must be in \(0, 1\], got 0.0"),
+            (dict(top_k=1.5), TypeError, "top_k", "top_k must be an integer"),
+            (dict(seed=2**64), ValueError, "seed", "seed must be in"),
+            (dict(temperature=-1.0), ValueError, "temperature", "temperature must be"),
+            (dict(stop_token_ids=[320]), ValueError, "stop_token_ids", r"stop_token_ids\[0\]"),
+            (dict(top_logprobs=21, max_top_logprobs=20), ValueError, "top_logprobs",
+             "top_logprobs must be at most 20, got 21")]:
+        with pytest.raises(exc, match="svc: " + match) as e:
+            rules.sampling("svc", **{"max_new_tokens": 4, "vocab": 320, **kw})
+        assert e.value.field == field
+    for ids, field in (([3, 3], "request_ids"), ([0, 2**63], "request_ids")):
+        with pytest.raises(ValueError, match="svc: request_ids") as e:
+            rules.noise_keys("svc", ids, 2)
+        assert e.value.field == field
+    with pytest.raises(IndexError, match=r"svc: request a: the prompt holds token ids \[9\]") as e:
+        rules.prompt("svc", "request a", [1, 9], 2, vocab=9, context=16)
+    assert e.value.field == "prompt"
+    p = rules.sampling("svc", max_new_tokens=4, vocab=320, temperature=1.0, top_p=1.0, seed=3,
+                       eos_token_ids=7, stop_token_ids=(8, 9))
+    assert p == SamplingParams(4, 1.0, None, 1.0, 3, frozenset({7}), frozenset({8, 9}))
+
+
+def test_the_model_only_reads_and_writes_the_pages_the_scheduler_names():
+    """The allocator prepares a step (pages for the new tokens) and commits it; the forward in
+    between neither allocates nor advances a slot. A refused step takes nothing."""
+    model = tiny_model(torch.float32)
+    pages = PageAllocator(model.new_cache(2, 64, num_pages=3))
+    a, b = pages.add_sequence(), pages.add_sequence()
+    step = pages.prepare([a, b], [20, 5])                       # 2 + 1 pages of 16
+    assert pages.free_pages == 0 and pages.lengths == [0, 0]
+    with torch.no_grad():
+        logits = model(torch.arange(25), torch.tensor([0, 20, 25]), kv=step)
+        full = model(torch.arange(25), torch.tensor([0, 20, 25]))
+    assert_bitwise(logits, full, "a cached prefill vs the training forward")
+    assert pages.free_pages == 0 and pages.lengths == [0, 0]   # the model allocated nothing
+    pages.commit(step)
+    assert pages.lengths == [20, 5]
+    with pytest.raises(CacheFullError, match="step needs 1 pages, 0 free"):
+        pages.prepare([a, b], [1, 12])                          # b fits, a needs a page
+    assert pages.lengths == [20, 5] and [len(pages.pages(s)) for s in (a, b)] == [2, 1]
+    with pytest.raises(TypeError, match="groups must be a tonp_parallel.ParallelGroups"):
+        type(model)(model.config, groups=object())
 
 
 def test_prefix_cache_evicts_the_least_recently_used_page():
@@ -296,7 +349,7 @@ def test_prefix_cache_evicts_the_least_recently_used_page():
     token shares A's page and leaves its own partial page (LRU: B, C, A's tail, A): no page is
     free, so a one-page request evicts B, then another one C."""
     model = tiny_model(torch.float32)
-    cache = model.new_cache(4, 64, num_pages=4)
+    cache = PageAllocator(model.new_cache(4, 64, num_pages=4))
     prefix = PrefixCache(cache)
     a, b, c, d, e = (p.tolist() for p in prompts((B,) * 5, seed=9))
 

@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 import tonp_kernels as tk
 from model_helpers import tiny_model
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from tonp_models.layers import PagedKVCache
+from tonp_models.engine import PageAllocator, extend
+from tonp_models.layers import CacheFullError, PagedKVCache
 from tonp_models.qwen3_moe.checkpoint import state_dict_hub
 
-CLEAN = (ValueError, TypeError, IndexError, FileNotFoundError)
+CLEAN = (ValueError, TypeError, IndexError, FileNotFoundError, CacheFullError)
 FORWARD_CASES, LOAD_CASES, CONFIG_CASES = 80, 40, 120
 
 
@@ -65,7 +66,7 @@ def _packed_case(rng: random.Random, model, seqs, ref):
     kind = rng.choice(["ok_int32", "ok_list", "ok_cu_int64", "ok_rows", "float_ids", "bool_ids",
                        "vocab", "ids_0d", "ids_3d", "cu_float", "cu_end", "cu_fall", "cu_wrap",
                        "cu_2d", "rows_range", "rows_float", "rows_2d", "mask_packed",
-                       "slots_no_cache", "too_long"])
+                       "too_long"])
     if kind == "ok_int32":
         kw["input_ids"] = ids.int()
     elif kind == "ok_list":
@@ -82,7 +83,7 @@ def _packed_case(rng: random.Random, model, seqs, ref):
         bad = ids.clone()
         bad[rng.randrange(T)] = rng.choice([V, -1, 2**40])
         kw["input_ids"] = bad
-        return kw, "out of the vocabulary range"
+        return kw, "input_ids holds token ids .* outside the vocabulary"
     elif kind in ("ids_0d", "ids_3d"):
         kw.update(input_ids=ids[0] if kind == "ids_0d" else ids.view(1, 1, T), cu_seqlens=None)
         return kw, "input_ids must be"
@@ -111,9 +112,6 @@ def _packed_case(rng: random.Random, model, seqs, ref):
     elif kind == "mask_packed":
         kw["attention_mask"] = torch.ones(T)
         return kw, "attention_mask"
-    elif kind == "slots_no_cache":
-        kw["cache_slots"] = [0]
-        return kw, "cache_slots given without a cache"
     elif kind == "too_long":
         kw.update(input_ids=torch.zeros(49, dtype=torch.long), cu_seqlens=None)
         return kw, "max_position_embeddings=48"
@@ -161,52 +159,62 @@ def _padded_case(rng: random.Random, model, seqs, ref):
 
 
 def _cached_case(rng: random.Random, model, seqs, ref):
-    """A prefix of every sequence in the cache, then the rest in one call: the rest's logits are
+    """A prefix of every sequence in the cache, then the rest in one call (`extend`: the
+    allocator prepares the pages, the model runs, the allocator commits): the rest's logits are
     the full pass's rows. Invalid variants must leave the cache as it was."""
-    cache = model.new_cache(len(seqs), 48)
-    slots = [cache.add_sequence() for _ in seqs]
+    pages = PageAllocator(model.new_cache(len(seqs), 48))
+    slots = [pages.add_sequence() for _ in seqs]
     cut = [rng.randint(0, len(s) - 1) for s in seqs]
     pre = [s[:c] for s, c in zip(seqs, cut)]
-    model(torch.cat(pre), torch.tensor([0, *torch.tensor(cut).cumsum(0).tolist()]),
-          cache=cache, cache_slots=slots)
+    extend(model, pages, torch.cat(pre), slots,
+           torch.tensor([0, *torch.tensor(cut).cumsum(0).tolist()]))
     rest = [s[c:] for s, c in zip(seqs, cut)]
     bounds = [0, *torch.tensor([len(r) for r in rest]).cumsum(0).tolist()]
-    kw = dict(input_ids=torch.cat(rest), cu_seqlens=torch.tensor(bounds), cache=cache,
-              cache_slots=slots)
+    kw = dict(ids=torch.cat(rest), cu_seqlens=torch.tensor(bounds), pages=pages, slots=slots,
+              unchanged=pages)
     want = torch.cat([r[c:] for r, c in zip(ref, cut)])
     kind = rng.choice(["ok", "ok_tensor_slots", "slot_range", "slot_dup", "slot_float",
-                       "slot_count", "not_a_cache", "page_size", "cache_dtype", "past_limit"])
+                       "slot_count", "not_a_step", "page_size", "cache_dtype", "past_limit"])
     if kind == "ok_tensor_slots":
-        kw["cache_slots"] = torch.tensor(slots)
+        kw["slots"] = torch.tensor(slots)
     elif kind == "slot_range":
-        kw["cache_slots"] = [rng.choice([-1, len(seqs), 99])] + slots[1:]
-        return kw, "cache_slots .* must be distinct slots"
+        kw["slots"] = [rng.choice([-1, len(seqs), 99])] + slots[1:]
+        return kw, "slots .* must be distinct slots"
     elif kind == "slot_dup" and len(slots) > 1:
-        kw["cache_slots"] = [slots[0]] * len(slots)
-        return kw, "cache_slots .* must be distinct slots"
+        kw["slots"] = [slots[0]] * len(slots)
+        return kw, "slots .* must be distinct slots"
     elif kind == "slot_float":
-        kw["cache_slots"] = [s + 0.5 for s in slots]
-        return kw, "cache_slots must be an integer tensor"
+        kw["slots"] = [s + 0.5 for s in slots]
+        return kw, "slots and counts must be integers"
     elif kind == "slot_count":
-        kw["cache_slots"] = slots + [len(slots)]
-        return kw, "cache_slots"
-    elif kind == "not_a_cache":
-        kw["cache"] = {"lengths": cache.lengths}
-        return kw, "cache must be a PagedKVCache"
+        kw["slots"] = slots + [len(slots)]
+        return kw, "slots"
+    elif kind == "not_a_step":
+        kw = dict(input_ids=kw["ids"], cu_seqlens=kw["cu_seqlens"], kv={"lengths": [0]},
+                  unchanged=pages)
+        return kw, "kv must be a CacheStep"
     elif kind in ("page_size", "cache_dtype"):
         c = model.config
-        kw["cache"] = PagedKVCache(
+        kw["pages"] = PageAllocator(PagedKVCache(
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_pages=16,
             page_size=c.attention_block // (2 if kind == "page_size" else 1), max_seqs=len(seqs),
             max_seq_len=48, dtype=model.dtype if kind == "page_size" else
-            {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}[model.dtype])
+            {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}[model.dtype]))
         return kw, "the cache holds"
     elif kind == "past_limit":
         n = 48 - cut[0] + 1                  # one position past the limit for slot 0
-        kw["input_ids"] = torch.zeros(n, dtype=torch.long)
+        kw["ids"] = torch.zeros(n, dtype=torch.long)
         kw["cu_seqlens"] = torch.tensor([0] + [n] * len(seqs))
-        return kw, "max_position_embeddings"
+        return kw, "would reach .* > max_seq_len 48"
     return kw, want
+
+
+def _call(model, kw: dict):
+    """The model on kw, through `extend` when kw names an allocator and slots."""
+    kw = {k: v for k, v in kw.items() if k != "unchanged"}
+    if "pages" in kw:
+        return extend(model, kw["pages"], kw["ids"], kw["slots"], kw["cu_seqlens"])
+    return model(**kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -225,16 +233,15 @@ def test_forward_gives_the_reference_bits_or_a_named_error(model, dtype):
             ref = _reference(m, seqs)
             make = rng.choice([_packed_case, _padded_case, _cached_case])
             kw, want = make(rng, m, seqs, ref)
-            cache = kw.get("cache")
-            before = (list(cache.lengths), cache.free_pages) \
-                if isinstance(cache, PagedKVCache) else None
+            pages = kw.get("unchanged")
+            before = (list(pages.lengths), pages.free_pages) if pages is not None else None
             counts[make.__name__] = counts.get(make.__name__, 0) + 1
             if isinstance(want, str):
-                _clean_error(lambda: m(**kw), want)
+                _clean_error(lambda: _call(m, kw), want)
                 if before is not None:  # a refused call changes nothing in the cache
-                    assert (list(cache.lengths), cache.free_pages) == before, f"case {case}"
+                    assert (list(pages.lengths), pages.free_pages) == before, f"case {case}"
                 continue
-            got = m(**kw)
+            got = _call(m, kw)
             assert torch.isfinite(got).all(), f"case {case}: non-finite logits"
             assert torch.equal(got, want), f"case {case} ({make.__name__}): not the reference"
     assert len(counts) == 3

@@ -223,15 +223,15 @@ def test_bad_input_raises_clear_errors():
     model = tiny_model(torch.float32)
     V, limit = model.config.vocab_size, model.config.max_position_embeddings
     ok = torch.tensor([1, 2, 3])
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         generate(model, [ok, torch.tensor([], dtype=torch.long)], 4)
-    with pytest.raises(IndexError, match=r"prompt 0 holds token ids \[320\]"):
+    with pytest.raises(IndexError, match=r"request 0: the prompt holds token ids \[320\]"):
         generate(model, [torch.tensor([1, V])], 4)
     with pytest.raises(IndexError, match=r"token ids \[-1\]"):
         generate(model, [[-1, 2]], 4)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         generate(model, [torch.zeros(limit, dtype=torch.long)], 1)
-    with pytest.raises(ValueError, match="max_new_tokens=10 exceeds max_position_embeddings"):
+    with pytest.raises(ValueError, match="max_new_tokens=10 = 1029 tokens exceeds the context"):
         generate(model, [torch.zeros(limit - 5, dtype=torch.long)], 10)
     with pytest.raises(CacheFullError, match="cannot run even alone"):
         generate(model, [torch.zeros(40, dtype=torch.long)], 10, num_pages=2)
@@ -428,6 +428,7 @@ def test_tp_ranks_given_different_calls_raise_on_every_rank():
             assert isinstance(res[name], str) and res[name].startswith(
                 f"RuntimeError: {who}: TP rank(s) [1] (global rank(s) [1]) got a different "
                 f"{what}"), f"{name}, rank {rank}: {res[name]!r}"
-    assert ranks[1]["refused_on_rank_1"].startswith("IndexError: generate: prompt 0 holds")
+    assert ranks[1]["refused_on_rank_1"].startswith(
+        "IndexError: generate: request 0: the prompt holds")
     assert ranks[0]["refused_on_rank_1"].startswith(
         "RuntimeError: generate: TP rank(s) [1] (global rank(s) [1]) refused their arguments")

@@ -14,6 +14,7 @@ import torch
 
 import tonp_kernels as tk
 from tonp_kernels import reference
+from tonp_models.engine import PageAllocator
 from tonp_models.layers.kv_cache import PagedKVCache
 from conftest import DTYPES, assert_bitwise, assert_close, check_thread_invariance, randn
 
@@ -138,33 +139,35 @@ def test_stock_sdpa_decode_differs_from_the_full_pass(torch_mode, gen):
 
 
 def test_decode_through_the_paged_kv_cache_object(gen):
-    """Two sequences decoding in turns through PagedKVCache (so their pages interleave) give
-    the full pass's bits: the cache layout and the kernel agree."""
+    """Two sequences decoding in turns through PagedKVCache pages the PageAllocator hands out
+    (so their pages interleave) give the full pass's bits: the cache layout and the kernel
+    agree."""
     B, D, dtype = 16, 64, torch.bfloat16
     lengths = (37, 20)
     seqs = [_seq(L, D, dtype, gen) for L in lengths]
-    cache = PagedKVCache(1, HKV, D, page_size=B, num_pages=8, max_seqs=3, max_seq_len=48,
-                         dtype=dtype)
-    slots = [cache.add_sequence() for _ in lengths]
+    pages = PageAllocator(PagedKVCache(1, HKV, D, page_size=B, num_pages=8, max_seqs=3,
+                                       max_seq_len=48, dtype=dtype))
+    cache = pages.kv
+    slots = [pages.add_sequence() for _ in lengths]
     prompt = (5, 3)
     outs = [[] for _ in lengths]
 
     def step(counts):
         live = [i for i, n in enumerate(counts) if n]
-        st = cache.prepare([slots[i] for i in live], [counts[i] for i in live])
-        qkv = [tuple(t[cache.lengths[slots[i]]:cache.lengths[slots[i]] + counts[i]]
+        st = pages.prepare([slots[i] for i in live], [counts[i] for i in live])
+        qkv = [tuple(t[pages.lengths[slots[i]]:pages.lengths[slots[i]] + counts[i]]
                      for t in seqs[i]) for i in live]
         q, k, v = (torch.cat(p) for p in zip(*qkv))
         cache.write(0, st, k, v)
-        o = tk.attention_paged(q, cache.k[0], cache.v[0], cache.page_table, st.q_seq,
+        o = tk.attention_paged(q, cache.k[0], cache.v[0], st.page_table, st.q_seq,
                                st.positions, scale=D ** -0.5)
-        cache.commit(st)
+        pages.commit(st)
         for i, part in zip(live, o.split([counts[i] for i in live])):
             outs[i].append(part)
 
     step(prompt)
-    while any(cache.lengths[s] < L for s, L in zip(slots, lengths)):
-        step([1 if cache.lengths[s] < L else 0 for s, L in zip(slots, lengths)])
+    while any(pages.lengths[s] < L for s, L in zip(slots, lengths)):
+        step([1 if pages.lengths[s] < L else 0 for s, L in zip(slots, lengths)])
     for i, (q, k, v) in enumerate(seqs):
         full = tk.attention_varlen(q, k, v, torch.tensor([0, lengths[i]]), scale=D ** -0.5,
                                    block=B)

@@ -16,6 +16,7 @@ import torch
 
 import tonp_kernels as tk
 from model_helpers import packed, random_seqs, tiny_model, use_mode
+from tonp_models.engine import PageAllocator, extend
 
 # Lengths cross the tiny model's attention block (16) and include a 1-token sequence.
 LENGTHS = [37, 5, 20, 16, 1, 33]
@@ -31,8 +32,8 @@ def _full(model, seqs):
 def _by_cache(model, seqs, chunks):
     """Logits of each sequence by extending a shared cache: sequence i is fed in pieces
     chunks(i) (a list of sizes), all sequences advancing together, one forward per step."""
-    cache = model.new_cache(len(seqs), max(len(s) for s in seqs))
-    slots = [cache.add_sequence() for _ in seqs]
+    pages = PageAllocator(model.new_cache(len(seqs), max(len(s) for s in seqs)))
+    slots = [pages.add_sequence() for _ in seqs]
     pieces = [list(chunks(i, len(s))) for i, s in enumerate(seqs)]
     done = [0] * len(seqs)
     outs = [[] for _ in seqs]
@@ -41,7 +42,7 @@ def _by_cache(model, seqs, chunks):
         batch = [i for i, p in enumerate(pieces) if step < len(p)]
         parts = [seqs[i][done[i]:done[i] + pieces[i][step]] for i in batch]
         ids, cu = packed(parts)
-        logits = model(ids, cu, cache=cache, cache_slots=[slots[i] for i in batch])
+        logits = extend(model, pages, ids, [slots[i] for i in batch], cu)
         for j, i in enumerate(batch):
             outs[i].append(logits[int(cu[j]):int(cu[j + 1])])
             done[i] += pieces[i][step]

@@ -12,6 +12,8 @@ import torch
 
 import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from tonp_models.engine import PageAllocator, extend
+from tonp_models.layers import CacheFullError
 from model_helpers import CONFIGS, hf_twin, packed, random_seqs, tiny_model
 
 MODES = ("torch", "invariant")
@@ -19,11 +21,11 @@ MODES = ("torch", "invariant")
 
 def greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
     """Prefill the prompt into a cache, then decode n tokens one at a time (argmax)."""
-    cache = model.new_cache(1, len(prompt) + n)
-    slot = cache.add_sequence()
+    pages = PageAllocator(model.new_cache(1, len(prompt) + n))
+    slot = pages.add_sequence()
     ids, out = prompt, []
     for _ in range(n):
-        logits = model(ids, cache=cache, cache_slots=[slot])                     # (t, V)
+        logits = extend(model, pages, ids, [slot])                               # (t, V)
         ids = tk.argmax(logits[-1:])
         out.append(ids)
     return torch.cat([prompt, *out])
@@ -111,9 +113,9 @@ def test_token_logprobs_match_log_softmax():
 # ---------------------------------------------------------------------------------------------
 def test_token_id_out_of_range():
     model = tiny_model()
-    with tk.use("torch"), pytest.raises(IndexError, match="out of the vocabulary"):
+    with tk.use("torch"), pytest.raises(IndexError, match="input_ids holds .* outside the vocab"):
         model(torch.tensor([1, 2, model.config.vocab_size]))
-    with tk.use("torch"), pytest.raises(IndexError, match="out of the vocabulary"):
+    with tk.use("torch"), pytest.raises(IndexError, match="input_ids holds .* outside the vocab"):
         model(torch.tensor([-1, 2]))
 
 
@@ -123,23 +125,22 @@ def test_prompt_longer_than_position_limit():
         model(torch.zeros(33, dtype=torch.long))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.new_cache(1, 64)
-    cache = model.new_cache(1, 32)
-    slot = cache.add_sequence()
+    pages = PageAllocator(model.new_cache(1, 32))   # a slot's positions: max_seq_len <= 32
+    slot = pages.add_sequence()
     with tk.use("torch"), torch.no_grad():
-        model(torch.zeros(30, dtype=torch.long), cache=cache, cache_slots=[slot])
-        with pytest.raises(ValueError, match="max_position_embeddings"):
-            model(torch.zeros(3, dtype=torch.long), cache=cache, cache_slots=[slot])
-    assert cache.lengths[slot] == 30  # the failed call allocated nothing
+        extend(model, pages, torch.zeros(30, dtype=torch.long), [slot])
+        with pytest.raises(CacheFullError, match="would reach 33 positions > max_seq_len 32"):
+            extend(model, pages, torch.zeros(3, dtype=torch.long), [slot])
+    assert pages.lengths[slot] == 30 and pages.used_pages == 2  # the failed call took nothing
 
 
 def test_cache_capacity_exceeded():
-    from tonp_models.layers import CacheFullError
     model = tiny_model()
-    cache = model.new_cache(1, 64, num_pages=1)  # one page = 16 positions
-    slot = cache.add_sequence()
+    pages = PageAllocator(model.new_cache(1, 64, num_pages=1))  # one page = 16 positions
+    slot = pages.add_sequence()
     with tk.use("torch"), torch.no_grad(), pytest.raises(CacheFullError, match="pages"):
-        model(torch.zeros(20, dtype=torch.long), cache=cache, cache_slots=[slot])
-    assert cache.lengths[slot] == 0
+        extend(model, pages, torch.zeros(20, dtype=torch.long), [slot])
+    assert pages.lengths[slot] == 0 and pages.used_pages == 0
 
 
 def test_bad_forward_arguments():
@@ -147,8 +148,9 @@ def test_bad_forward_arguments():
     ids = torch.zeros(6, dtype=torch.long)
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(ids, torch.tensor([0, 2, 5], dtype=torch.int32))
-    with pytest.raises(ValueError, match="cache_slots"):
-        model(ids, cache=model.new_cache(2, 16), cache_slots=[0, 1])
+    with pytest.raises(ValueError, match="kv step holds"):   # 2 slots' steps, 1 sequence
+        pages = PageAllocator(model.new_cache(2, 16))
+        model(ids, kv=pages.prepare([pages.add_sequence(), pages.add_sequence()], [3, 3]))
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids.view(2, 3), attention_mask=torch.ones(3, 2))
     with pytest.raises(ValueError, match="at least one token"):

@@ -87,7 +87,8 @@ BAD = [  # (path, body (dict, or raw bytes), status, words the message must hold
 @pytest.mark.parametrize("path, body, status, words", BAD,
                          ids=[f"{p}:{w[:30]}" for p, _, _, w in BAD])
 def test_bad_requests_get_a_4xx_naming_the_problem(server, http, path, body, status, words):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
     r = http.post(server.url + path, **kw)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"], r.json()
@@ -222,5 +223,14 @@ def test_two_rank_server_steps_both_ranks_in_lockstep(tmp_path, layout):
         for p, x, lp in zip(ps, r, train):
             got = torch.tensor([v[0] for v in x["meta_info"]["output_token_logprobs"]])
             assert_bitwise(got, lp[len(p) - 1:], f"{layout} server vs the training forward")
+        # vLLM's prompt_logprobs: every rank scores the prompt in the same forward
+        assert c.post(srv.url + "/reset_prefix_cache").json()["success"] is True
+        ch = c.post(srv.url + "/v1/completions", json={
+            "prompt": ps[0], "max_tokens": 1, "prompt_logprobs": 2}).json()["choices"][0]
+        got = torch.tensor([e[str(t)]["logprob"] for e, t in zip(ch["prompt_logprobs"][1:],
+                                                                 ps[0][1:])])
+        with torch.no_grad():
+            want = model.token_logprobs([torch.tensor(ps[0])])[0]
+        assert_bitwise(got, want, f"{layout} prompt logprobs vs the training forward")
         assert srv.stop() == 0, srv.log
         assert follower.proc.wait(30) == 0, follower.log

@@ -1,5 +1,6 @@
 """Argument checks of the public entry points (`generate`, `Qwen3MoeForCausalLM.token_logprobs`):
-integer-like values, real numbers, temperatures, token-id sequences, and `TPCheck`, which makes
+integer-like values, real numbers, temperatures, token-id sequences (a request's own rules,
+built on these, are tonp_models.engine.rules'), and `TPCheck`, which makes
 the ranks of a tensor-parallel group prove they were given the same call.
 
 Every check names the function, the argument, the value and the rule: TypeError for a wrong type
@@ -19,7 +20,6 @@ import torch.distributed as dist
 
 import tonp_kernels as tk
 import tonp_parallel as tpar
-
 
 
 def show(v) -> str:
@@ -83,8 +83,9 @@ def sequence_list(who: str, name: str, x) -> list:
                         f"{show(x)}") from None
 
 
-def token_ids(who: str, name: str, x, vocab: int) -> torch.Tensor:
-    """A 1-D sequence of integer token ids in [0, vocab) (tensor, array or list) -> int64 [n]."""
+def token_ids(who: str, name: str, x, vocab: Optional[int] = None) -> torch.Tensor:
+    """A 1-D sequence of integer token ids in [0, vocab) (tensor, array or list) -> int64 [n].
+    vocab None: the caller checks the range (a request's prompt: engine/rules.py)."""
     t = None
     if not isinstance(x, (str, bytes)) and not (isinstance(x, (list, tuple))
                                               and any(isinstance(v, bool) for v in x)):
@@ -93,17 +94,30 @@ def token_ids(who: str, name: str, x, vocab: int) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError, OverflowError):
             if isinstance(x, (list, tuple)) and all(isinstance(v, int) for v in x):
                 raise IndexError(f"{who}: {name} holds token ids beyond int64, outside the "
-                                 f"vocabulary [0, {vocab})") from None
+                                 f"vocabulary") from None
     if t is None or t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.is_complex()
                                                     or t.dtype == torch.bool)):
         raise TypeError(f"{who}: {name} must be a 1-D sequence of integer token ids, got "
                         f"{show(x)}")
     t = t.long()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        bad = t[(t < 0) | (t >= vocab)].unique()[:8].tolist()
-        raise IndexError(f"{who}: {name} holds token ids {bad} outside the vocabulary "
-                         f"[0, {vocab})")
+    if vocab is not None:
+        in_vocabulary(who, name, t, vocab)
     return t
+
+
+def in_vocabulary(who: str, name: str, ids, vocab: int) -> None:
+    """IndexError unless every token id of `ids` (an integer tensor or a list of ints) lies in
+    [0, vocab): the one wording of the vocabulary rule (prompts, scored sequences, input_ids)."""
+    if isinstance(ids, torch.Tensor):
+        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)   # one read of the values
+        if int(lo) >= 0 and int(hi) < vocab:
+            return
+        bad = ids[(ids < 0) | (ids >= vocab)].unique()[:8].tolist()
+    else:
+        bad = sorted({t for t in ids if not 0 <= t < vocab})[:8]
+        if not bad:
+            return
+    raise IndexError(f"{who}: {name} holds token ids {bad} outside the vocabulary [0, {vocab})")
 
 
 def digest(*parts) -> int:
@@ -128,9 +142,9 @@ class TPCheck:
 
     @classmethod
     def of(cls, model, who: str) -> "TPCheck":
-        groups = getattr(model, "groups", None)
+        groups = getattr(model, "groups", None) or tpar.ParallelGroups.single()  # a stand-in
         # The ranks of one replica: TP x CP x PP when the groups know it, else the TP group.
-        group = getattr(groups, "model_group", None) or getattr(groups, "tp_group", None)
+        group = groups.model_group or groups.tp_group
         if group is None or tpar.group_size(group) == 1:
             return cls(who)
         return cls(who, group, next(model.parameters()).device)

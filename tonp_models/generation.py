@@ -15,7 +15,6 @@ docs/generation.md.
 """
 from __future__ import annotations
 
-import collections.abc
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
@@ -24,10 +23,8 @@ import torch
 
 import tonp_parallel as tpar
 
-from .checks import (TPCheck, as_int, as_real, check_temperature, digest, sequence_list, show,
-                     token_ids)
-from .engine import Engine, Request, SamplingParams, lockstep_group
-from .layers import CacheFullError
+from .checks import TPCheck, as_int, digest, sequence_list, show, token_ids
+from .engine import Engine, Request, SamplingParams, lockstep_group, rules
 
 TokenIds = Union[torch.Tensor, Sequence[int]]
 
@@ -80,36 +77,6 @@ class GenerationOutput:
         return [len(lp) for lp in self.logprobs]
 
 
-def _token_set(name: str, ids, vocab: int) -> set:
-    """eos / stop ids: None, one token id, or a list / tuple / set / 1-D tensor or array of them
-    (ints, numpy integers, 0-d integer tensors)."""
-    if ids is None:
-        return set()
-    many = isinstance(ids, (list, tuple, set, frozenset, range)) or getattr(ids, "ndim", 0) == 1
-    return {as_int("generate", f"{name}[{j}]" if many else name, v, 0, vocab)
-            for j, v in enumerate(ids if many else [ids])}
-
-
-def _request_ids(request_ids, n: int) -> List[int]:
-    """The noise keys of the n requests: distinct ints in [0, 2**63); default 0..n-1."""
-    if request_ids is None:
-        return list(range(n))
-    if isinstance(request_ids, (str, bytes)) or getattr(request_ids, "ndim", 1) != 1 or \
-            not isinstance(request_ids, collections.abc.Iterable):
-        raise TypeError(f"generate: request_ids must be a sequence of ints, got "
-                        f"{show(request_ids)}")
-    ids = [as_int("generate", f"request_ids[{j}]", v, 0, 2**63)
-           for j, v in enumerate(request_ids)]
-    if len(ids) != n:
-        raise ValueError(f"generate: request_ids must be {n} ints (one per prompt), got "
-                         f"{len(ids)}")
-    dup = sorted(i for i, c in collections.Counter(ids).items() if c > 1)
-    if dup:
-        raise ValueError(f"generate: request_ids must be distinct (they key each request's "
-                         f"sampling noise); {dup[:8]} occur more than once")
-    return ids
-
-
 # -- generate -----------------------------------------------------------------------------------
 @dataclass
 class _Call:
@@ -133,18 +100,14 @@ class _Call:
 def _check_call(model, prompts, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed,
                 max_batch_size, stop_token_ids, progress, request_ids, num_pages, prefix_cache,
                 max_step_tokens) -> _Call:
-    """Every argument of generate checked, before any forward (TypeError for a wrong type,
-    ValueError / IndexError for a wrong value, CacheFullError for a request num_pages cannot
-    hold alone)."""
+    """Every argument of generate checked, before any forward, by the request rules
+    (engine/rules.py) and the call's own: TypeError for a wrong type, ValueError / IndexError for
+    a wrong value, CacheFullError for a request num_pages cannot hold alone."""
     c, who = model.config, "generate"
-    V, limit = c.vocab_size, c.max_position_embeddings
-    max_new_tokens = as_int(who, "max_new_tokens", max_new_tokens, 0)
-    temperature = check_temperature(who, temperature, greedy_ok=True)
-    top_k = None if top_k is None else as_int(who, "top_k", top_k, 1)
-    top_p = None if top_p is None else as_real(who, "top_p", top_p)
-    seed = as_int(who, "seed", seed, 0, 2**64)
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    V = c.vocab_size
+    params = rules.sampling(who, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_id,
+                            stop_token_ids=stop_token_ids, vocab=V)
     if max_batch_size is not None:
         max_batch_size = as_int(who, "max_batch_size", max_batch_size, 1)
     if num_pages is not None:
@@ -154,44 +117,33 @@ def _check_call(model, prompts, max_new_tokens, eos_token_id, temperature, top_k
     for name, flag in (("progress", progress), ("prefix_cache", prefix_cache)):
         if not isinstance(flag, bool):
             raise TypeError(f"generate: {name} must be True or False, got {show(flag)}")
-    params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed,
-                            frozenset(_token_set("eos_token_id", eos_token_id, V)),
-                            frozenset(_token_set("stop_token_ids", stop_token_ids, V)))
     prompts = sequence_list(who, "prompts", prompts)
-    keys = _request_ids(request_ids, len(prompts))
+    keys = rules.noise_keys(who, request_ids, len(prompts))
     reqs = []
     for i, p in enumerate(prompts):
-        t = token_ids(who, f"prompt {i}", p, V)
-        if t.numel() == 0:
-            raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-        if len(t) >= limit:
-            raise ValueError(f"generate: prompt {i} has {len(t)} tokens; the model's position "
-                             f"limit max_position_embeddings={limit} leaves no room to generate")
-        if len(t) + max_new_tokens > limit:
-            raise ValueError(f"generate: prompt {i} ({len(t)} tokens) + max_new_tokens="
-                             f"{max_new_tokens} exceeds max_position_embeddings={limit}")
-        reqs.append(Request(i, t.tolist(), params, noise_key=keys[i], name=str(i)))
+        t = token_ids(who, f"prompt {i}", p).tolist()
+        rules.prompt(who, f"request {i}", t, params.max_new_tokens, vocab=V,
+                     context=c.max_position_embeddings)
+        reqs.append(Request(i, t, params, noise_key=keys[i], name=str(i)))
     call = _Call(reqs, params, max_batch_size, num_pages, prefix_cache, max_step_tokens)
-    if reqs and max_new_tokens > 0:
+    if reqs and params.max_new_tokens > 0:
         _cache_pages(call, c.attention_block)                 # CacheFullError before any work
     return call
 
 
 def _cache_pages(call: _Call, B: int):
     """(pages, batch, longest position) of the call's cache: enough pages for its largest
-    `batch` requests at full length, or num_pages when fewer (more would never be used). The
-    last new token is never fed, so a request writes prompt_len + max_new_tokens - 1 positions.
+    `batch` requests at full length, or num_pages when fewer (more would never be used).
     The batch is at most max_step_tokens (every running request feeds a token each step)."""
     reqs = call.reqs
     batch = min(call.max_batch_size or len(reqs), len(reqs), call.max_step_tokens or len(reqs))
-    positions = [r.prompt_len + call.params.max_new_tokens - 1 for r in reqs]
+    positions = [rules.positions(r.prompt_len, call.params.max_new_tokens) for r in reqs]
     pages = sorted((-(-n // B) for n in positions), reverse=True)
     enough = sum(pages[:batch])
-    if call.num_pages is not None and call.num_pages < pages[0]:
+    if call.num_pages is not None:
         i = max(range(len(reqs)), key=lambda j: positions[j])
-        raise CacheFullError(f"generate: request {i} needs {pages[0]} KV-cache pages of {B} "
-                             f"positions ({positions[i]} positions) but the cache holds "
-                             f"num_pages={call.num_pages}; it cannot run even alone")
+        rules.fits_cache("generate", f"request {i}", positions[i], page_size=B,
+                         num_pages=call.num_pages)
     return min(call.num_pages or enough, enough), batch, max(positions)
 
 

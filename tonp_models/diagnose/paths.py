@@ -17,6 +17,7 @@ import torch
 
 import tonp_kernels as tk
 
+from ..engine import PageAllocator, extend
 from .capture import Capture, Trace
 
 KINDS = ("train", "padded", "decode")
@@ -138,8 +139,8 @@ def _padded(model, cap, seqs) -> None:
 
 
 def _decode(model, cap, seqs, prompt_lens) -> None:
-    cache = model.new_cache(len(seqs), max(len(s) for s in seqs))
-    slots = [cache.add_sequence() for _ in seqs]
+    pages = PageAllocator(model.new_cache(len(seqs), max(len(s) for s in seqs)))
+    slots = [pages.add_sequence() for _ in seqs]
     done = [0] * len(seqs)
     counts = list(prompt_lens)                       # the first forward prefills every prompt
     while any(counts):
@@ -149,7 +150,7 @@ def _decode(model, cap, seqs, prompt_lens) -> None:
         cu[1:] = torch.cumsum(torch.tensor([counts[i] for i in active]), 0)
         ids = torch.cat([seqs[i][done[i]:done[i] + counts[i]] for i in active])
         cap.begin_forward(seq_ids, positions)
-        logits = model(ids, cu, cache=cache, cache_slots=[slots[i] for i in active])
+        logits = extend(model, pages, ids, [slots[i] for i in active], cu)
         _record_logprobs(cap, logits, seq_ids, positions, seqs)
         for i in active:
             done[i] += counts[i]

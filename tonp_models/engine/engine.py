@@ -15,19 +15,21 @@ it in its own thread and talks to it through a queue).
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from tonp_parallel import group_device
+from tonp_parallel import ParallelGroups, group_device
 
 from ..layers import CacheFullError
+from . import rules
+from .pages import PageAllocator
 from .prefix_cache import PrefixCache
+from .prompt_logprobs import score_prompt
 from .request import EngineStats, Request, StepOutput
 from .sampling import pick
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 
 
 class Engine:
@@ -63,7 +65,8 @@ class Engine:
             raise ValueError(f"{who}: max_step_tokens={max_step_tokens} must be >= "
                              f"max_batch_size={max_batch_size} (every running request feeds "
                              f"a token each step)")
-        self.cache = model.new_cache(max_batch_size, self.max_seq_len, num_pages=num_pages)
+        self.cache = PageAllocator(model.new_cache(max_batch_size, self.max_seq_len,
+                                                   num_pages=num_pages))
         self.prefix = PrefixCache(self.cache) if prefix_caching else None
         self.sched = Scheduler(self.cache, self.prefix, max_batch_size, max_step_tokens)
         self.stats = EngineStats()
@@ -73,35 +76,27 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def check(self, r: Request) -> None:
-        """Raise (ValueError / IndexError / CacheFullError, naming the request) unless r can
-        run: a non-empty prompt of token ids in the vocabulary whose full length, prompt +
-        max_new_tokens, fits the position limit and the cache alone. Reads constants only, so
-        another thread may call it."""
-        c, name = self.model.config, f"{self.who}: request {r.name}"
-        n, new = len(r.tokens), r.params.max_new_tokens
-        if n == 0:
-            raise ValueError(f"{name}: the prompt is empty (a prompt needs at least one token)")
-        bad = sorted({t for t in r.tokens if not 0 <= t < c.vocab_size})
-        if bad:
-            raise IndexError(f"{name}: the prompt holds token ids {bad[:8]} outside the "
-                             f"vocabulary [0, {c.vocab_size})")
-        limit, positions = c.max_position_embeddings, n + max(new, 1) - 1  # last one not fed
-        if n + new > limit or positions > self.max_seq_len:
-            raise ValueError(f"{name}: the prompt ({n} tokens) + max_new_tokens={new} = "
-                             f"{n + new} tokens exceeds the context of "
-                             f"{min(limit, self.max_seq_len + 1)} tokens")
-        B = self.cache.page_size
-        pages = -(-positions // B)
-        if pages > self.cache.num_pages:
-            raise CacheFullError(f"{name} needs {pages} KV-cache pages of {B} positions "
-                                 f"({positions} positions) but the cache holds num_pages="
-                                 f"{self.cache.num_pages}; it cannot run even alone")
+        """Raise (TypeError / ValueError / IndexError / CacheFullError, naming the request)
+        unless r can run: the request rules (engine/rules.py) for its noise key, its prompt
+        (token ids in the vocabulary, prompt + max_new_tokens within the context) and its fit
+        in the cache alone. Reads constants only, so another thread may call it."""
+        c, name = self.model.config, f"request {r.name}"
+        limit = c.max_position_embeddings
+        rules.noise_key(self.who, f"{name}: noise_key", r.noise_key)
+        context, what = (limit, "max_position_embeddings") if self.max_seq_len + 1 >= limit \
+            else (self.max_seq_len + 1, f"max_seq_len={self.max_seq_len}")
+        rules.prompt(self.who, name, r.tokens, r.params.max_new_tokens, vocab=c.vocab_size,
+                     context=context, limit=what)
+        rules.fits_cache(self.who, name, rules.positions(len(r.tokens), r.params.max_new_tokens),
+                         page_size=self.cache.page_size, num_pages=self.cache.num_pages)
 
     def add(self, r: Request) -> None:
         """Queue a request (checked first); it joins the running batch when it fits."""
         if r.key in self.requests:
             raise ValueError(f"{self.who}: a request with key {r.key!r} is already queued")
         self.check(r)
+        if r.params.prompt_logprobs is not None:   # a forward: every lockstep rank adds it too
+            r.prompt_logprobs = score_prompt(self.who, self.model, r)
         self.requests[r.key] = r
         self.stats.prompt_tokens += r.prompt_len
         if r.params.max_new_tokens == 0:
@@ -118,12 +113,19 @@ class Engine:
         self._end(r, "abort")
         return True
 
-    def _end(self, r: Request, reason: str, error: Optional[Exception] = None) -> None:
+    def hold_admission(self, on: bool) -> None:
+        """While on, only requests that already generated tokens (preempted ones) rejoin the
+        batch; new ones wait (a weight update drains the running requests first)."""
+        self.sched.admit_started_only = bool(on)
+
+    def _end(self, r: Request, reason: str, error: Optional[Exception] = None,
+             out: Optional[StepOutput] = None) -> None:
+        """Finish r (its pages released) and queue its last output (default: no token)."""
         self.sched.finish(r, reason)
         r.error = error
         del self.requests[r.key]
         self.stats.requests_finished += 1
-        self._news.append(StepOutput(r, finish=reason))
+        self._news.append(out or StepOutput(r, finish=reason))
 
     @property
     def has_work(self) -> bool:
@@ -156,40 +158,47 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> List[StepOutput]:
-        """One forward over the scheduled batch; the outputs of this step (one per request that
-        got a token or ended). Under lockstep, a rank without work runs a one-token forward."""
+        """One forward over the scheduled batch: schedule -> run -> sample and update. The
+        outputs since the last step (one per request that got a token or ended). Under
+        lockstep, a rank without work runs a one-token forward."""
+        batch = self._schedule()
+        if batch is not None:
+            self._update(batch, self._run(batch))
+        elif self.lockstep_group is not None:
+            self.model(torch.zeros(1, dtype=torch.int64),
+                       logits_rows=torch.zeros(0, dtype=torch.int64))
         news, self._news = self._news, []
-        feeds = self.sched.schedule()
+        return news
+
+    def _schedule(self) -> Optional[ScheduledBatch]:
+        """The scheduler's batch for this step, its pages allocated."""
+        batch = self.sched.schedule()
         self.stats.preemptions = self.sched.preemptions
         self.stats.cached_tokens = self.sched.cached_tokens
-        if not feeds:
-            if self.lockstep_group is not None:
-                self.model(torch.zeros(1, dtype=torch.int64),
-                           logits_rows=torch.zeros(0, dtype=torch.int64))
-            elif self.sched.waiting and not self.sched.admit_started_only:
-                # cannot happen: add() checked that each request fits alone
-                raise CacheFullError(f"{self.who}: request {self.sched.waiting[0].name} does "
-                                     f"not fit in {self.cache.free_pages} free pages")
-            return news
-        rows, counts = [r for r, _ in feeds], [n for _, n in feeds]
-        ids = torch.tensor([t for r, n in feeds for t in r.tokens[r.cached:r.cached + n]],
-                           dtype=torch.int64)
-        ends = list(itertools.accumulate(counts))
-        done = [i for i, (r, n) in enumerate(feeds) if r.cached + n == len(r.tokens)]
-        cu = torch.tensor([0] + ends, dtype=torch.int32)
-        last = torch.tensor([ends[i] - 1 for i in done], dtype=torch.int64)
-        logits = self.model(ids, cu, cache=self.cache, cache_slots=[r.slot for r in rows],
-                            logits_rows=last)                                      # (S', V) fp32
+        if batch is None and self.sched.waiting and not self.sched.admit_started_only \
+                and self.lockstep_group is None:
+            # cannot happen: add() checked that each request fits alone
+            raise CacheFullError(f"{self.who}: request {self.sched.waiting[0].name} does "
+                                 f"not fit in {self.cache.free_pages} free pages")
+        return batch
+
+    def _run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The forward over the batch -> fp32 logits [S', V] of its sampled requests; then the
+        scheduler commits the fed tokens."""
+        logits = self.model(batch.ids, batch.cu_seqlens, kv=batch.kv,
+                            logits_rows=batch.logits_rows)
         self.stats.forward_steps += 1
-        for r, n in feeds:
+        for r, n in batch.feeds:
             if r.prefilling:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
-            if self.prefix is not None:
-                self.prefix.note(r.slot, r.tokens, r.page_keys, r.cached, r.cached + n)
-            r.cached += n
-        sampled = [rows[i] for i in done]
+        self.sched.commit(batch)
+        return logits
+
+    def _update(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Sample each completed request's next token, append it and check its stops."""
+        sampled = batch.sampled
         picks = pick(self.who, logits, sampled) if sampled else []
         for r, (tok, lp, top, err) in zip(sampled, picks):
             if err is not None:
@@ -206,22 +215,19 @@ class Engine:
             p = r.params
             reason = "eos" if tok in p.eos_token_ids else "stop" if tok in p.stop_token_ids \
                 else "length" if r.num_new >= p.max_new_tokens else None
-            news.append(StepOutput(r, tok, lp, top, reason))
+            out = StepOutput(r, tok, lp, top, reason)
             if reason:
-                self.sched.finish(r, reason)
-                del self.requests[r.key]
-                self.stats.requests_finished += 1
-        news.extend(self._news)
-        self._news = []
-        return news
+                self._end(r, reason, out=out)
+            else:
+                self._news.append(out)
 
 
 def lockstep_group(model):
     """The group a generate call must step in lockstep with: the model's expert-parallel group
     when it holds ranks outside this rank's tensor-parallel group (those may hold other
     requests, and every MoE forward is an all_to_all over the EP group); else None."""
-    groups = getattr(model, "groups", None)
-    ep, tp = getattr(groups, "ep_group", None), getattr(groups, "tp_group", None)
+    groups = getattr(model, "groups", None) or ParallelGroups.single()   # a stand-in model
+    ep, tp = groups.ep_group, groups.tp_group
     if ep is None or dist.get_world_size(ep) == 1:
         return None
     tp_ranks = set(dist.get_process_group_ranks(tp)) if tp is not None else {dist.get_rank()}

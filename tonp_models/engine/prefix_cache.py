@@ -8,7 +8,7 @@ Pages are keyed by their content and position chain: key(page i) = blake2b(key(p
 page's B token ids), key(-1) = b"". A request takes the longest chain of whole pages (shared by
 reference, read only) and then, at the first page that differs or is not complete, the indexed
 page (full or partial) with the longest common prefix of tokens, whose rows it copies into a
-private page (`PagedKVCache.fork`). At most len(prompt) - 1 positions come from the cache: the
+private page (`PageAllocator.fork`). At most len(prompt) - 1 positions come from the cache: the
 last prompt token is always fed, to get the logits of the first new token.
 
 Every page a request writes is indexed as soon as its rows are committed (prompt and generated
@@ -23,7 +23,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..layers import PagedKVCache
+from .pages import PageAllocator
 
 ROOT = b""
 
@@ -64,7 +64,7 @@ class PrefixCache:
     """The index of the cache's computed pages (see the module doc). Owns the cache's
     `on_evict` hook."""
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PageAllocator):
         self.cache, self.B = cache, cache.page_size
         self._full: Dict[bytes, int] = {}                       # key -> page
         self._entries: Dict[int, _Entry] = {}                   # page -> entry

@@ -17,6 +17,8 @@ class SamplingParams:
     eos_token_ids / stop_token_ids: generating one ends the request (finish "eos" / "stop";
         the token is kept). max_new_tokens: then "length".
     top_logprobs: also report the k most likely tokens of each step's distribution.
+    prompt_logprobs: None, or k >= 0: also score the prompt (engine/prompt_logprobs.py) with
+        the k most likely tokens of each position.
     """
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -26,6 +28,7 @@ class SamplingParams:
     eos_token_ids: FrozenSet[int] = frozenset()
     stop_token_ids: FrozenSet[int] = frozenset()
     top_logprobs: int = 0
+    prompt_logprobs: Optional[int] = None
 
     @property
     def draw(self) -> Tuple:
@@ -56,6 +59,7 @@ class Request:
     cache_hit: int = 0          # positions its last admission took from the prefix cache
     finish: Optional[str] = None   # "eos" | "stop" | "length" | "abort" | "error"
     error: Optional[Exception] = None
+    prompt_logprobs: Optional[list] = None   # PromptLogprob per prompt position >= 1, if asked
 
     def __post_init__(self):
         self.tokens = [int(t) for t in self.tokens]     # its own list: the engine extends it

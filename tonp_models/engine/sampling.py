@@ -118,9 +118,16 @@ def _top_logprobs(logits: torch.Tensor, rows: List[Request], T: float
         return [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.top_logprobs]
     lsm = tk.log_softmax(logits.index_select(0, _index(want, logits)), temperature=T)
-    vals, ids = torch.sort(lsm, dim=-1, descending=True, stable=True)
+    ids, vals = ranked(lsm, k)
     out: List[Optional[List[Tuple[int, float]]]] = [None] * len(rows)
     for j, i in enumerate(want):
         n = rows[i].params.top_logprobs
         out[i] = list(zip(ids[j, :n].tolist(), vals[j, :n].tolist()))
     return out
+
+
+def ranked(lsm: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of lsm fp32 [R, V] (ties: lower id first) -> (ids int64,
+    values fp32), [R, k] each."""
+    vals, ids = torch.sort(lsm, dim=-1, descending=True, stable=True)
+    return ids[:, :k], vals[:, :k]

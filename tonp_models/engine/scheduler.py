@@ -13,25 +13,46 @@ feeds never change a bit of a request's output (docs/generation.md).
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..layers import PagedKVCache
+import torch
+
+from ..layers import CacheStep
+from .pages import PageAllocator
 from .prefix_cache import Match, PrefixCache, common_prefix
 from .request import Request
 
 
+@dataclass
+class ScheduledBatch:
+    """The scheduler's output, the model's input: what one forward feeds and where its K/V go.
+
+    feeds: (request, tokens fed) pairs in feed order; ids int64 [T] their tokens (host);
+    cu_seqlens int32 [S+1]; kv: the CacheStep of the pages allocated for them; logits_rows
+    int64 [S'] the last row of each request whose context the step completes (`sampled`)."""
+    feeds: List[Tuple[Request, int]]
+    ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    kv: CacheStep
+    logits_rows: torch.Tensor
+    sampled: List[Request]
+
+
 class Scheduler:
-    """Waiting and running requests over one cache.
+    """Waiting and running requests over one cache: it decides each step's feeds, allocates
+    their pages (`schedule`) and advances the requests once the forward ran (`commit`).
 
     Args:
-        cache: the PagedKVCache (max_batch_size slots at least).
+        cache: the PageAllocator (max_batch_size slots at least).
         prefix: a PrefixCache over it, or None (no sharing).
         max_batch_size: requests running at once at most.
         max_step_tokens: tokens one step feeds at most (chunked prefill), None = no limit;
             at least max_batch_size, so every running request can decode each step.
     """
 
-    def __init__(self, cache: PagedKVCache, prefix: Optional[PrefixCache], max_batch_size: int,
+    def __init__(self, cache: PageAllocator, prefix: Optional[PrefixCache], max_batch_size: int,
                  max_step_tokens: Optional[int] = None):
         self.cache, self.prefix = cache, prefix
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
@@ -52,7 +73,29 @@ class Scheduler:
     def _need(self) -> int:
         return sum(self.cache.pages_needed(r.slot, len(r.pending)) for r in self.running)
 
-    def schedule(self) -> List[Tuple[Request, int]]:
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """The next forward's batch, its pages allocated (None: nothing to feed)."""
+        feeds = self._feeds()
+        if not feeds:
+            return None
+        ids = torch.tensor([t for r, n in feeds for t in r.tokens[r.cached:r.cached + n]],
+                           dtype=torch.int64)
+        ends = list(itertools.accumulate(n for _, n in feeds))
+        done = [i for i, (r, n) in enumerate(feeds) if r.cached + n == len(r.tokens)]
+        kv = self.cache.prepare([r.slot for r, _ in feeds], [n for _, n in feeds])
+        return ScheduledBatch(feeds, ids, torch.tensor([0] + ends, dtype=torch.int32), kv,
+                              torch.tensor([ends[i] - 1 for i in done], dtype=torch.int64),
+                              [feeds[i][0] for i in done])
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """After the forward: the fed tokens are in the cache (and the prefix index)."""
+        self.cache.commit(batch.kv)
+        for r, n in batch.feeds:
+            if self.prefix is not None:
+                self.prefix.note(r.slot, r.tokens, r.page_keys, r.cached, r.cached + n)
+            r.cached += n
+
+    def _feeds(self) -> List[Tuple[Request, int]]:
         """The next forward's (request, tokens to feed) pairs, with pages for them (and for the
         running requests' whole pending contexts) guaranteed."""
         cache = self.cache

@@ -2,11 +2,11 @@
 
 Per token: q/k/v projections (column-parallel: this rank's heads) -> per-head RMSNorm of q and
 k -> RoPE at the token's position -> attention -> o_proj (row-parallel). Without a cache the
-attention is `tonp_kernels.attention_varlen` over whole packed sequences; with one, the step's K/V
-are written into the pages first and the queries read positions 0..t through
-`tonp_kernels.attention_paged`; under context parallelism (`cp`, a ContextSplit: this rank
-holds a slice of each sequence) the keys and values of every rank are gathered into pages and
-the local queries read them the same way (layers/context_attention.py). All visit keys in
+attention is `tonp_kernels.attention_varlen` over whole packed sequences; with one (a
+ForwardBatch's `kv`: the pages the scheduler allocated) the step's K/V are written into them
+first and the queries read positions 0..t through `tonp_kernels.attention_paged`; under
+context parallelism (`cp`, a ContextSplit: this rank holds a slice of each sequence) the keys
+and values of every rank are gathered into pages and the local queries read them the same way (layers/context_attention.py). All visit keys in
 blocks of `block` positions aligned to position 0, so a token gets the same bits in every
 path (CONTRACT.md, Attention). Under sequence parallelism (`sp`) the input rows are gathered
 at the entry and o_proj reduce-scatters them back.
@@ -26,6 +26,7 @@ from torch import nn
 
 import tonp_kernels as tk
 
+from .batch import ForwardBatch
 from .context_attention import context_attention
 from .linear import ColumnParallelLinear, RowParallelLinear, _divide, _tp_size
 from .norm import RMSNorm
@@ -75,40 +76,40 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, head_group)
         self.tp_group = tp_group
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, *,
-                cu_seqlens: Optional[torch.Tensor] = None, cache=None, step=None, cp=None,
-                sp=None) -> torch.Tensor:
-        """x [T, H] packed tokens (under `sp`: this rank's [n, H] of them); positions int64
-        [T]; one of cu_seqlens int32 [S+1] (whole sequences), cache + step (a PagedKVCache and
-        its CacheStep) or cp (a tonp_parallel.ContextSplit; x holds its rows). -> like x."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding
+                ) -> torch.Tensor:
+        """x [T, H] packed tokens (under `batch.sp`: this rank's [n, H] of them) at
+        batch.positions int64 [T], keys read by one of batch.cu_seqlens (whole sequences),
+        batch.kv (the step's cache pages) or batch.cp (x holds the split's rows). -> like x."""
         from tonp_parallel.sequence import enter_tp_region
+        sp, kv = batch.sp, batch.kv
         x = enter_tp_region(x, self.tp_group, sp)                                  # (T, H)
         T, D = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(T, self.local_heads, D))               # (T, Hq, D)
         k = self.k_norm(self.k_proj(x).view(T, self.local_kv_heads, D))            # (T, Hkv, D)
         v = self.v_proj(x).view(T, self.local_kv_heads, D)                         # (T, Hkv, D)
-        q, k = rotary(q, k, positions)
-        if cp is not None:
-            o = context_attention(q, k, v, cp, scale=self.scale, block=self.block)
-        elif cache is None:
-            o = tk.attention_varlen(q, k, v, cu_seqlens, scale=self.scale, block=self.block)
+        q, k = rotary(q, k, batch.positions)
+        if batch.cp is not None:
+            o = context_attention(q, k, v, batch.cp, scale=self.scale, block=self.block)
+        elif kv is None:
+            o = tk.attention_varlen(q, k, v, batch.cu_seqlens, scale=self.scale,
+                                    block=self.block)
         else:
-            cache.write(self.layer_idx, step, k, v)
-            o = tk.attention_paged(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                   step.page_table, step.q_seq, step.positions,
-                                   scale=self.scale)
+            kv.cache.write(self.layer_idx, kv, k, v)
+            o = tk.attention_paged(q, kv.cache.k[self.layer_idx], kv.cache.v[self.layer_idx],
+                                   kv.page_table, kv.q_seq, kv.positions, scale=self.scale)
         if probing():
-            self._probe(k, v, o, cache, step)
+            self._probe(k, v, o, kv)
         o = o.reshape(T, self.local_heads * D)                                     # (T, Hq*D)
         return self.o_proj(o) if sp is None else self.o_proj(o, sp=sp)             # (T|n, H)
 
-    def _probe(self, k, v, o, cache, step) -> None:
+    def _probe(self, k, v, o, kv) -> None:
         """Report the K/V rows of these tokens as the kernel read them (from the pages under a
         cache) and the attention output, all per head (split over TP ranks on dim 1)."""
         shard = 1 if self.q_proj.tp_size > 1 else None
-        if cache is not None:
-            B, pos = cache.page_size, step.positions
-            rows = step.page_table.long()[step.q_seq.long(), pos // B] * B + pos % B   # (T,)
+        if kv is not None:
+            B, pos, cache = kv.cache.page_size, kv.positions, kv.cache
+            rows = kv.page_table.long()[kv.q_seq.long(), pos // B] * B + pos % B   # (T,)
             k = cache.k[self.layer_idx].flatten(0, 1).index_select(0, rows)        # (T, Hkv, D)
             v = cache.v[self.layer_idx].flatten(0, 1).index_select(0, rows)
         probe("k", k, shard_dim=shard)

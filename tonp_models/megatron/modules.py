@@ -26,7 +26,8 @@ from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
 from tonp_parallel.layout import validate_model_layout
 from tonp_parallel.sharding import parameter_shards
 
-from ..layers import Attention, DenseMLP, PagedKVCache, RMSNorm, RotaryEmbedding, SparseMoeBlock
+from ..layers import (Attention, CacheStep, DenseMLP, ForwardBatch, PagedKVCache, RMSNorm,
+                      RotaryEmbedding, SparseMoeBlock)
 from .config import check_transformer_config
 
 
@@ -296,17 +297,17 @@ class TonpSelfAttention(Attention):
                 raise ValueError("TonpSelfAttention: packed_seq_params with an inference_context "
                                  "is not supported")
             x = rearrange(hidden_states, "s b h -> (b s) h")      # b sequences, packed
-            cache, step = _static_cache_step(inference_context, self, b, s, x.dtype, x.device)
-            y = super().forward(x, step.positions, rotary, cache=cache, step=step)
+            step = _static_cache_step(inference_context, self, b, s, x.dtype, x.device)
+            y = super().forward(x, ForwardBatch(step.positions, kv=step), rotary)
             return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
         if packed_seq_params is not None:
             x, cu = _thd(hidden_states, packed_seq_params)                         # (T, h)
-            y = super().forward(x, _positions(cu), rotary, cu_seqlens=cu)
+            y = super().forward(x, ForwardBatch(_positions(cu), cu_seqlens=cu), rotary)
             return y.unsqueeze(1), None
         _check_causal_mask(attention_mask, s)
         x = rearrange(hidden_states, "s b h -> (b s) h")          # b sequences, packed
         cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
-        y = super().forward(x, torch.arange(s).repeat(b), rotary, cu_seqlens=cu)
+        y = super().forward(x, ForwardBatch(torch.arange(s).repeat(b), cu_seqlens=cu), rotary)
         return rearrange(y, "(b s) h -> s b h", b=b).contiguous(), None
 
     def _check_rope(self, emb) -> None:
@@ -366,48 +367,48 @@ def _check_causal_mask(mask, s: int) -> None:
                          "pass ragged or padded sequences as packed_seq_params (thd)")
 
 
-def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype, device):
-    """Map a StaticInferenceContext onto a tonp PagedKVCache: batch row i is cache slot i.
-
-    The first layer of a forward prepares the step (pages, positions) and commits it; the other
-    layers find it by (sequence_len_offset, batch_size_offset, b, s). A batch restarting at
-    offset 0 releases and reclaims its slots."""
+def _static_cache_step(ctx, attn: TonpSelfAttention, b: int, s: int, dtype, device) -> CacheStep:
+    """Map a StaticInferenceContext onto tonp's paged cache with a fixed page table: batch row
+    i is slot i and owns pages [i * P, (i + 1) * P) (P pages of B positions hold
+    max_sequence_length), so nothing is allocated. The first layer of a forward makes the step
+    (positions, rows) and advances the slots' lengths; the other layers find it by
+    (sequence_len_offset, batch_size_offset, b, s). A batch at offset 0 starts its slots over."""
     if not getattr(ctx, "is_static_batching", lambda: False)():
         raise NotImplementedError("TonpSelfAttention: only megatron's StaticInferenceContext is "
                                   "supported (DynamicInferenceContext needs CUDA/flash-attn)")
     cache: Optional[PagedKVCache] = getattr(ctx, "tonp_cache", None)
     shape = (attn.block, attn.local_kv_heads, attn.head_dim)
+    B, seqs, L = attn.block, ctx.max_batch_size, ctx.max_sequence_length
+    P = -(-L // B)
     if cache is None:
-        B = attn.block
-        pages = ctx.max_batch_size * -(-ctx.max_sequence_length // B)
         cache = PagedKVCache(attn.config.num_layers, attn.local_kv_heads, attn.head_dim,
-                             page_size=B, num_pages=pages, max_seqs=ctx.max_batch_size,
-                             max_seq_len=ctx.max_sequence_length, dtype=dtype, device=device)
-        for _ in range(ctx.max_batch_size):
-            cache.add_sequence()                     # slots 0..max_batch_size-1, in order
-        ctx.tonp_cache, ctx.tonp_step = cache, (None, None)
+                             page_size=B, num_pages=seqs * P, max_seqs=seqs, max_seq_len=L,
+                             dtype=dtype, device=device)
+        ctx.tonp_cache, ctx.tonp_step, ctx.tonp_lengths = cache, (None, None), [0] * seqs
     elif tuple(cache.k[0].shape[1:]) != shape or cache.k[0].dtype != dtype:
         raise ValueError("TonpSelfAttention: the inference context's tonp cache belongs to a "
                          "model of another shape or dtype")
     off, boff = int(ctx.sequence_len_offset), int(ctx.batch_size_offset)
     key = (off, boff, b, s)
     if ctx.tonp_step[0] != key:
-        slots = list(range(boff, boff + b))
-        if slots[-1] >= ctx.max_batch_size:
-            raise ValueError(f"TonpSelfAttention: batch rows {slots} exceed max_batch_size="
-                             f"{ctx.max_batch_size}")
+        slots, lengths = list(range(boff, boff + b)), ctx.tonp_lengths
+        if slots[-1] >= seqs or off + s > L:
+            raise ValueError(f"TonpSelfAttention: batch rows {slots} at positions "
+                             f"{off}..{off + s - 1} exceed max_batch_size={seqs} or "
+                             f"max_sequence_length={L}")
         for slot in slots:
-            if off == 0 and cache.lengths[slot]:
-                cache.release(slot)
-                cache.add_sequence()                 # the slot just released comes back
-            if cache.lengths[slot] != off:
+            if lengths[slot] != off and off != 0:
                 raise RuntimeError(f"TonpSelfAttention: cache slot {slot} holds "
-                                   f"{cache.lengths[slot]} positions but the context says "
+                                   f"{lengths[slot]} positions but the context says "
                                    f"sequence_len_offset={off}")
-        step = cache.prepare(slots, [s] * b)
-        cache.commit(step)         # lengths are read by prepare only; the layers use `step`
-        ctx.tonp_step = (key, step)
-    return cache, ctx.tonp_step[1]
+            lengths[slot] = off + s
+        pos = torch.arange(off, off + s).repeat(b)                        # (b s): batch-major
+        seq = torch.tensor(slots).repeat_interleave(s)
+        table = torch.arange(seqs * P, dtype=torch.int32).view(seqs, P)
+        ctx.tonp_step = (key, CacheStep(cache, slots, [s] * b, pos.to(device),
+                                        seq.to(device, torch.int32),
+                                        (seq * P * B + pos).to(device), table.to(device)))
+    return ctx.tonp_step[1]
 
 
 __all__ = ["single_process_groups", "load_global_state_dict", "TonpRMSNorm", "TonpSelfAttention",

@@ -2,11 +2,7 @@
 type, ValueError / IndexError for a wrong value), never a bare traceback from a kernel."""
 from __future__ import annotations
 
-from typing import List
-
 import torch
-
-from ..layers import PagedKVCache
 
 
 def int_tensor(x, name: str) -> torch.Tensor:
@@ -63,16 +59,4 @@ def rows_of(logits_rows, T: int) -> torch.Tensor:
     return rows.long()
 
 
-def slots_of(cache_slots, cache: PagedKVCache) -> List[int]:
-    """Distinct integer slots of the cache (integer-likes accepted; 1.5, True, -1 refused)."""
-    slots = int_tensor(cache_slots, "cache_slots").reshape(-1).tolist()
-    n = len(cache.lengths)
-    bad = [s for s in slots if not 0 <= s < n]
-    if bad or len(set(slots)) != len(slots):
-        raise ValueError(f"cache_slots {slots[:8]} must be distinct slots of the cache, in "
-                         f"[0, {n})")
-    return slots
-
-
-
-__all__ = ["int_tensor", "mask_of", "bounds_of", "rows_of", "slots_of"]
+__all__ = ["int_tensor", "mask_of", "bounds_of", "rows_of"]

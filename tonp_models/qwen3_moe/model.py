@@ -2,13 +2,14 @@
 
     logits = model(ids, cu_seqlens)                        # packed sequences  -> [T, V] fp32
     logits = model(ids_BL, attention_mask=mask_BL)         # padded batch      -> [B, L, V] fp32
-    logits = model(ids, cu, cache=c, cache_slots=slots)    # extend cached sequences by new tokens
+    logits = model(ids, cu, kv=step)                       # extend cached sequences by new tokens
     lps = model.token_logprobs([seq0, seq1], temperature=1.0)
     out = model.forward_backward(seqs, loss_fn, micro_batches=4)   # a training step's F + B
 
 Without a cache every sequence is whole (positions 0..n-1) and the forward is differentiable;
-with a cache, sequence i continues slot cache_slots[i] from cache.lengths[slot]. Nothing else
-differs: the same kernels see the same rows, so a token's logits are the same bits either way.
+with one, `kv` (a CacheStep the scheduler's PageAllocator prepared: tonp_models.engine.pages)
+names the positions and the pages of the new tokens. Nothing else differs: the same kernels see
+the same rows, so a token's logits are the same bits either way. The model never allocates.
 
 Parallel layouts (`groups`, a tonp_parallel.ParallelGroups) never change a bit:
 * TP / EP: each layer holds its shard (`parameter_shards()` says which); TP ranks make the same
@@ -27,16 +28,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from tonp_parallel import group_size, validate_model_layout
+from tonp_parallel import ParallelGroups, group_size, validate_model_layout
 from tonp_parallel.context import ContextSplit, positions_of
 from tonp_parallel.layout import stage_layers
 from tonp_parallel.sequence import SequenceSplit
 from tonp_parallel.sharding import Shard, parameter_shards
 
-from ..layers import (Attention, DenseMLP, Embedding, LMHead, PagedKVCache, RMSNorm,
-                      RotaryEmbedding, SparseMoeBlock)
+from ..checks import in_vocabulary
+from ..layers import (Attention, CacheStep, DenseMLP, Embedding, ForwardBatch, LMHead,
+                      PagedKVCache, RMSNorm, RotaryEmbedding, SparseMoeBlock)
 from .config import Qwen3MoeConfig
-from .inputs import bounds_of, int_tensor, mask_of, rows_of, slots_of
+from .inputs import bounds_of, int_tensor, mask_of, rows_of
 
 
 class DecoderLayer(nn.Module):
@@ -46,7 +48,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3MoeConfig, layer_idx: int, dtype: torch.dtype, groups,
                  sequence_parallel: bool = False):
         super().__init__()
-        c, tp, ep = config, _group(groups, "tp_group"), _group(groups, "ep_group")
+        c, tp, ep = config, groups.tp_group, groups.ep_group
         # Under SP each TP rank normalises other rows: the norm weights' gradients are summed.
         norm_group = tp if sequence_parallel else None
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, norm_group)
@@ -64,13 +66,9 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, chunks=c.reduction_chunks,
                                 tp_group=tp, dtype=dtype)
 
-    def forward(self, x, positions, rotary, sp=None, **attn_kw):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, sp=sp, **attn_kw)
-        return h + self.mlp(self.post_attention_layernorm(h), sp=sp)
-
-
-def _group(groups, name):
-    return None if groups is None else getattr(groups, name, None)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), batch, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h), sp=batch.sp)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -79,7 +77,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     Args:
         config: a Qwen3MoeConfig.
         dtype: parameter and activation dtype (float32 or bfloat16); logits are always fp32.
-        groups: a tonp_parallel.ParallelGroups (or anything with tp_group / ep_group), or None.
+        groups: a tonp_parallel.ParallelGroups (None = ParallelGroups.single(): one process).
     Weights are initialised from torch's global RNG (normal(0, initializer_range), norms 1), so
     `torch.manual_seed(s)` before construction fixes them, in every layout.
     Attributes: stage (range of this rank's layers; `layers[i]` is None outside it), is_first,
@@ -92,18 +90,21 @@ class Qwen3MoeForCausalLM(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
-        c, tp = config, _group(groups, "tp_group")
-        pp, pp_layers = getattr(groups, "pp_size", 1), getattr(groups, "pp_layers", None)
-        if groups is not None:  # the layout rules, before any weight is built
-            validate_model_layout(c, tp=group_size(tp), ep=group_size(_group(groups, "ep_group")),
-                                  expert_tp=getattr(groups, "expert_tp_size", 1), pp=pp,
-                                  cp=getattr(groups, "cp_size", 1), pp_layers=pp_layers)
+        groups = ParallelGroups.single() if groups is None else groups
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"Qwen3MoeForCausalLM: groups must be a tonp_parallel.ParallelGroups "
+                            f"or None, got {type(groups).__name__}")
+        c, tp, pp = config, groups.tp_group, groups.pp_size
+        # the layout rules, before any weight is built
+        validate_model_layout(c, tp=group_size(tp), ep=group_size(groups.ep_group),
+                              expert_tp=groups.expert_tp_size, pp=pp, cp=groups.cp_size,
+                              pp_layers=groups.pp_layers)
         self.config, self.dtype, self.groups = config, dtype, groups
-        stages = stage_layers(c.num_hidden_layers, pp, pp_layers)
-        self.stage = stages[getattr(groups, "pp_rank", 0)]
+        stages = stage_layers(c.num_hidden_layers, pp, groups.pp_layers)
+        self.stage = stages[groups.pp_rank]
         self.is_first, self.is_last = self.stage.start == 0, self.stage.stop == c.num_hidden_layers
         self.pipeline_micro_batches = pp
-        sp = bool(getattr(groups, "sequence_parallel", False)) and group_size(tp) > 1
+        sp = bool(groups.sequence_parallel) and group_size(tp) > 1
         self.sequence_parallel = sp
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, tp_group=tp) \
             if self.is_first else None
@@ -118,7 +119,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     @property
     def pipelined(self) -> bool:
-        return getattr(self.groups, "pp_size", 1) > 1
+        return self.groups.pp_size > 1
 
     @property
     def device(self) -> torch.device:
@@ -165,8 +166,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
-                attention_mask: Optional[torch.Tensor] = None, cache: Optional[PagedKVCache] = None,
-                cache_slots: Optional[Sequence[int]] = None,
+                attention_mask: Optional[torch.Tensor] = None, kv: Optional[CacheStep] = None,
                 logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False
                 ) -> torch.Tensor:
         """Logits (fp32) of packed or padded sequences, optionally extending a paged KV cache.
@@ -175,8 +175,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             input_ids: int64 [T] packed (with cu_seqlens int [S+1]; None = one sequence), or
                 [B, L] padded (with attention_mask [B, L], 1 = token; each row's tokens, in order,
                 are one sequence; padding is dropped before any kernel).
-            cache, cache_slots: extend sequence i of the batch in cache slot cache_slots[i]
-                from position cache.lengths[slot]; the cache is committed at the end.
+            kv: a CacheStep for these tokens (PageAllocator.prepare: sequence i continues its
+                slot; the caller commits it after the forward).
             logits_rows: int64 [R] packed row indices: only those rows get logits.
             return_hidden: packed input only: return the final-normed hidden states [T|R, H]
                 instead of logits (for `lm_head.token_logprobs` / `lm_head.argmax`).
@@ -195,7 +195,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             counts = mask.sum(1)
             cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=dev)
             cu[1:] = torch.cumsum(counts, 0)
-            packed = self.forward(ids[mask], cu, cache=cache, cache_slots=cache_slots)
+            packed = self.forward(ids[mask], cu, kv=kv)
             out = packed.new_zeros(*ids.shape, packed.shape[-1])
             out[mask] = packed
             return out
@@ -208,115 +208,93 @@ class Qwen3MoeForCausalLM(nn.Module):
         ids = ids.long()
         T = ids.shape[0]
         cu, bounds = bounds_of(cu_seqlens, T)
-        self._check_ids(ids)
+        # The embedding's index bound (TP shards would zero a foreign id silently).
+        in_vocabulary("Qwen3MoeForCausalLM", "input_ids", ids, self.config.vocab_size)
         if logits_rows is not None:
             logits_rows = rows_of(logits_rows, T).to(dev)
-        if cache is not None:
-            self._check_cache(cache)
-            slots = list(range(len(bounds) - 1)) if cache_slots is None else \
-                slots_of(cache_slots, cache)
-            if len(slots) != len(bounds) - 1:
-                raise ValueError(f"{len(bounds) - 1} sequences but {len(slots)} cache_slots")
-        elif cache_slots is not None:
-            raise ValueError("cache_slots given without a cache")
+        if kv is not None:
+            self._check_kv(kv, bounds)
         else:
-            slots = None
-        self._check_positions(bounds, cache, slots)
+            self._check_positions(bounds)
         if self.pipelined:
             from .pipeline import forward_pipelined
-            return forward_pipelined(self, ids, bounds, cache, slots, logits_rows,
-                                     return_hidden)
-        ctx = self.context(ids, bounds, cache, slots)
-        h = self.stage_forward(None, ctx)
-        h = self.head_hidden(h, ctx, logits_rows)                                  # (T|R, H)
+            return forward_pipelined(self, ids, bounds, kv, logits_rows, return_hidden)
+        batch = self.batch(ids, bounds, kv)
+        h = self.stage_forward(None, batch)
+        h = self.head_hidden(h, batch, logits_rows)                                # (T|R, H)
         return h if return_hidden else self.lm_head(h)                             # (T|R, V)
 
-    def context(self, ids: torch.Tensor, bounds: List[int], cache=None, slots=None) -> dict:
-        """What this rank's stage needs to run the packed sequences `ids` (bounds: cu_seqlens
-        as a list): its rows (ids, positions), how attention reads keys (cu_seqlens, the cache
-        step, or the CP split) and the SP split. Under a cache this prepares the cache step."""
-        attn: dict = {}
+    def batch(self, ids: torch.Tensor, bounds: List[int], kv: Optional[CacheStep] = None
+              ) -> ForwardBatch:
+        """The ForwardBatch this rank's stage runs for the packed sequences `ids` (bounds:
+        cu_seqlens as a list): its rows (ids, positions), how attention reads keys (the cache
+        step `kv`, the CP split, or cu_seqlens) and the SP split."""
         dev = ids.device
-        if cache is not None:
-            counts = [b - a for a, b in zip(bounds, bounds[1:])]
-            attn["step"] = cache.prepare(slots, counts)
-            attn["cache"] = cache
-            local, positions = ids, attn["step"].positions
-        elif getattr(self.groups, "cp_size", 1) > 1:
-            split = attn["cp"] = ContextSplit(bounds, self.groups.cp_group)
-            rows = split.rows.to(dev)
-            local, positions = ids.index_select(0, rows), split.positions.to(dev)[rows]
+        b = ForwardBatch(positions=None, bounds=bounds, kv=kv)
+        if kv is not None:
+            b.ids, b.positions = ids, kv.positions
+        elif self.groups.cp_size > 1:
+            b.cp = ContextSplit(bounds, self.groups.cp_group)
+            rows = b.cp.rows.to(dev)
+            b.ids, b.positions = ids.index_select(0, rows), b.cp.positions.to(dev)[rows]
         else:
-            attn["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=dev)
-            local, positions = ids, positions_of(bounds).to(dev)
-        sp = SequenceSplit(self.groups.tp_group, len(local)) if self.sequence_parallel else None
-        return dict(ids=local, positions=positions, sp=sp, attn=attn, bounds=bounds, cache=cache)
+            b.cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=dev)
+            b.ids, b.positions = ids, positions_of(bounds).to(dev)
+        if self.sequence_parallel:
+            b.sp = SequenceSplit(self.groups.tp_group, len(b.ids))
+        return b
 
-    def stage_rows(self, ctx: dict) -> int:
-        """Rows of the hidden state between stages (this rank's SP share under SP)."""
-        return ctx["sp"].local if ctx["sp"] is not None else len(ctx["ids"])
-
-    def stage_forward(self, h: Optional[torch.Tensor], ctx: dict) -> torch.Tensor:
-        """This stage's part of the forward: embed (first stage; h None) and its layers.
-        Commits the cache step once the stage's layers have written it. -> [rows, H]."""
+    def stage_forward(self, h: Optional[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """This stage's part of the forward: embed (first stage; h None) and its layers (which
+        write the batch's cache pages, if any). -> [batch.hidden_rows, H]."""
         if self.is_first:
-            h = self.embed_tokens(ctx["ids"], sp=ctx["sp"])                        # (T, H)
+            h = self.embed_tokens(batch.ids, sp=batch.sp)                          # (T, H)
         for i in self.stage:
-            h = self.layers[i](h, ctx["positions"], self.rotary, sp=ctx["sp"], **ctx["attn"])
-        if ctx["cache"] is not None:
-            ctx["cache"].commit(ctx["attn"]["step"])
+            h = self.layers[i](h, batch, self.rotary)
         return h
 
-    def head_hidden(self, h: torch.Tensor, ctx: dict, rows: Optional[torch.Tensor] = None
-                    ) -> torch.Tensor:
+    def head_hidden(self, h: torch.Tensor, batch: ForwardBatch,
+                    rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Last stage: the final-normed hidden states [T|R, H] of every packed row (or `rows`),
         from this rank's part of them (gathered over SP and CP: bytes only)."""
-        if ctx["sp"] is not None:
-            h = ctx["sp"].gather(h, sum_grads=False)                               # (T_cp, H)
-        if "cp" in ctx["attn"]:
-            h = ctx["attn"]["cp"].gather(h)                                        # (T, H)
+        if batch.sp is not None:
+            h = batch.sp.gather(h, sum_grads=False)                                # (T_cp, H)
+        if batch.cp is not None:
+            h = batch.cp.gather(h)                                                 # (T, H)
         if rows is not None:
             h = h.index_select(0, rows)                                            # (R, H)
         return self.norm(h)
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        V = self.config.vocab_size
-        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)
-        if int(lo) < 0 or int(hi) >= V:
-            bad = ids[(ids < 0) | (ids >= V)].unique()[:8].tolist()
-            raise IndexError(f"Qwen3MoeForCausalLM: token ids {bad} are out of the vocabulary "
-                             f"range [0, {V})")
-
-    def _check_cache(self, cache) -> None:
-        """A cache of this model's layers, KV heads, head_dim, dtype and page = attention block
-        (another page size would split the keys into other blocks: other bits)."""
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"Qwen3MoeForCausalLM: cache must be a PagedKVCache (model.new_cache),"
-                            f" got {type(cache).__name__}")
-        c, first = self.config, self.stage.start
+    def _check_kv(self, kv, bounds) -> None:
+        """A step over a cache of this model's layers, KV heads, head_dim, dtype and page =
+        attention block (another page size would split the keys into other blocks: other bits),
+        for these tokens."""
+        if not isinstance(kv, CacheStep) or not isinstance(kv.cache, PagedKVCache):
+            raise TypeError(f"Qwen3MoeForCausalLM: kv must be a CacheStep over a PagedKVCache "
+                            f"(PageAllocator.prepare over model.new_cache), got "
+                            f"{type(kv).__name__}")
+        cache, c, first = kv.cache, self.config, self.stage.start
         attn = self.layers[first].self_attn
         want = (c.num_hidden_layers, c.attention_block, attn.local_kv_heads, c.head_dim, self.dtype)
         got = (len(cache.k), *cache.k[first].shape[1:], cache.k[first].dtype) \
             if len(cache.k) > first else None
-        if got != want or not set(self.stage) <= set(getattr(cache, "layers", self.stage)):
+        if got != want or not set(self.stage) <= set(cache.layers):
             raise ValueError(f"Qwen3MoeForCausalLM: the cache holds (layers, page size, KV heads, "
                              f"head_dim, dtype) {got}, this model needs {want} with pages for "
                              f"layers {self.stage.start}..{self.stage.stop - 1}; build it with "
                              f"model.new_cache")
-
-    def _check_positions(self, bounds, cache, slots) -> None:
-        """No sequence may pass max_position_embeddings (checked before any allocation)."""
-        limit = self.config.max_position_embeddings
         counts = [b - a for a, b in zip(bounds, bounds[1:])]
-        if cache is None:
-            if max(counts, default=0) > limit:
-                raise ValueError(f"a sequence of {max(counts)} tokens exceeds "
-                                 f"max_position_embeddings={limit}")
-            return
-        for s, n in zip(slots, counts):
-            if cache.lengths[s] + n > limit:
-                raise ValueError(f"cache slot {s} would reach {cache.lengths[s] + n} positions, "
-                                 f"over max_position_embeddings={limit}")
+        if kv.counts != counts:
+            raise ValueError(f"Qwen3MoeForCausalLM: the kv step holds {kv.counts[:8]} new tokens "
+                             f"a sequence, cu_seqlens {counts[:8]}")
+
+    def _check_positions(self, bounds) -> None:
+        """No sequence may pass max_position_embeddings (the rotary table's rows)."""
+        limit = self.config.max_position_embeddings
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        if longest > limit:
+            raise ValueError(f"a sequence of {longest} tokens exceeds "
+                             f"max_position_embeddings={limit}")
 
     # -- cache and scoring ------------------------------------------------------------------------
     def new_cache(self, max_seqs: int, max_seq_len: int, num_pages: Optional[int] = None

@@ -1,12 +1,13 @@
 """`Qwen3MoeForCausalLM.forward` under pipeline parallelism: the call's sequences are cut into
 micro-batches that are in flight together, and every stage returns the last stage's result.
 
-    logits = model(ids, cu, cache=c, cache_slots=slots, logits_rows=last)   # a decode step
+    logits = model(ids, cu, kv=step, logits_rows=last)   # a decode step
 
 The generator (or any caller) needs nothing PP-specific: a decode step of S sequences becomes
 `model.pipeline_micro_batches` groups of whole sequences (about equal tokens each); stage s
 runs group m while stage s + 1 runs group m - 1 (tonp_parallel.pipeline.run_forward), each
-stage prepares and commits its own cache pages for each group in the same order, and the last
+stage writes its own layers' pages of the step (its allocator, stepped by the same scheduler on
+every stage, prepared the same pages for the whole step before the forward), and the last
 stage's logits (or final hidden states) travel back to every stage as bytes. A row's logits
 depend only on its own sequence, so the split never changes a bit. The bubble of one call is
 the pipeline's fill and drain: (P - 1) / (M + P - 1) of the stage time with M micro-batches.
@@ -20,7 +21,7 @@ import torch
 from tonp_parallel.pipeline import PipeComm, micro_batch_bounds, run_forward
 
 
-def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], cache, slots: Optional[list],
+def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], kv,
                       logits_rows: Optional[torch.Tensor], return_hidden: bool) -> torch.Tensor:
     """`model.forward` of packed sequences (checked by it) on a pipeline stage -> the last
     stage's logits [R, V] fp32 (or final hidden states [R, H]) on every stage."""
@@ -37,32 +38,26 @@ def forward_pipelined(model, ids: torch.Tensor, bounds: List[int], cache, slots:
     order = torch.argsort(part, stable=True)
     parts = [(rows.index_select(0, order[part.index_select(0, order) == m]) - bounds[g.start])
              .to(model.device) for m, g in enumerate(groups)]
-    ctxs: dict = {}
+    batches: dict = {}
 
-    def context(m):
-        if m not in ctxs:  # under a cache: prepared when this stage reaches micro-batch m
+    def batch(m):
+        if m not in batches:
             g = groups[m]
             a, b = bounds[g.start], bounds[g.stop]
             local = [x - a for x in bounds[g.start:g.stop + 1]]
-            ctxs[m] = model.context(ids[a:b], local, cache,
-                                    None if slots is None else slots[g.start:g.stop])
-        return ctxs[m]
+            batches[m] = model.batch(ids[a:b], local,
+                                     None if kv is None else kv.tokens(a, b, slice(g.start,
+                                                                                   g.stop)))
+        return batches[m]
 
     def shape(m):
-        g = groups[m]
-        n = bounds[g.stop] - bounds[g.start]
-        if cache is None and getattr(model.groups, "cp_size", 1) > 1:
-            n = len(context(m)["ids"])
-        if model.sequence_parallel:
-            n = -(-n // model.groups.tp_size)
-        return (n, model.config.hidden_size), model.dtype
+        return (batch(m).hidden_rows, model.config.hidden_size), model.dtype
 
     def forward(m, x):
-        ctx = context(m)
-        h = model.stage_forward(x, ctx)
+        h = model.stage_forward(x, batch(m))
         if not model.is_last:
             return h
-        h = model.head_hidden(h, ctx, parts[m])
+        h = model.head_hidden(h, batch(m), parts[m])
         return h if return_hidden else model.lm_head(h)
 
     comm = PipeComm(model.groups.pp_group, next(model.parameters()).device)

@@ -59,8 +59,8 @@ def _checked(model, who: str, sequences, temperature, extra=lambda: (), key=()):
 
 
 class _Plan:
-    """One micro-batch of whole sequences as this rank runs it: the model's context (its rows,
-    positions, attention and SP layout) and the rows that predict a token."""
+    """One micro-batch of whole sequences as this rank runs it: the model's ForwardBatch (its
+    rows, positions, attention and SP layout) and the rows that predict a token."""
 
     def __init__(self, model, seqs: Sequence[torch.Tensor]):
         self.lens = [len(s) for s in seqs]
@@ -68,8 +68,8 @@ class _Plan:
         for n in self.lens:
             bounds.append(bounds[-1] + n)
         ids = torch.cat(seqs).cpu() if seqs else torch.zeros(0, dtype=torch.long)
-        self.ctx = model.context(ids.to(model.device), bounds)  # bookkeeping stays on the host
-        split = self.ctx["attn"].get("cp")
+        self.batch = model.batch(ids.to(model.device), bounds)  # bookkeeping stays on the host
+        split = self.batch.cp
         rows = split.rows if split is not None else torch.arange(len(ids))       # (T_loc,)
         seq = torch.repeat_interleave(torch.arange(len(self.lens)), torch.tensor(
             self.lens, dtype=torch.long), output_size=len(ids))
@@ -82,11 +82,11 @@ class _Plan:
             every = positions_of(bounds) < (ends - torch.tensor(bounds[:-1]))[seq] - 1
             self.pred_global = every.nonzero().squeeze(1).to(model.device)
         self.pred, self.targets = self.pred.to(model.device), self.targets.to(model.device)
-        self.shape = ((model.stage_rows(self.ctx), model.config.hidden_size), model.dtype)
+        self.shape = ((self.batch.hidden_rows, model.config.hidden_size), model.dtype)
 
     def score(self, model, h: torch.Tensor, temperature: float) -> torch.Tensor:
         """Last stage: fp32 [R] logprobs of the micro-batch's predicting rows, packed order."""
-        sp = self.ctx["sp"]
+        sp = self.batch.sp
         if sp is not None:
             h = sp.gather(h, sum_grads=False)                                      # (T_loc, H)
         h = model.norm(select_rows(h, self.pred))                                  # (R_loc, H)
@@ -123,7 +123,7 @@ def token_logprobs(model, sequences, temperature, micro_batch_size, packed) -> L
             as_int(who, "micro_batch_size", micro_batch_size, 1)
         if not isinstance(packed, bool):
             raise TypeError(f"{who}: packed must be True or False, got {packed!r}")
-        if not packed and (model.pipelined or getattr(model.groups, "cp_size", 1) > 1):
+        if not packed and (model.pipelined or model.groups.cp_size > 1):
             raise ValueError(f"{who}: packed=False (padded scoring) runs at PP = CP = 1 only")
         if model.pipelined and torch.is_grad_enabled() and \
                 any(p.requires_grad for p in model.parameters()):
@@ -144,7 +144,7 @@ def token_logprobs(model, sequences, temperature, micro_batch_size, packed) -> L
     comm = _comm(model)
 
     def forward(m, x):
-        h = model.stage_forward(x, plans[m].ctx)
+        h = model.stage_forward(x, plans[m].batch)
         return plans[m].score(model, h, temperature) if model.is_last else h
 
     outs = run_forward(comm, len(plans), forward, lambda m: plans[m].shape)
@@ -200,7 +200,7 @@ def forward_backward(model, sequences, loss_fn: Callable[[List[torch.Tensor], ra
     lps: List[torch.Tensor] = []
 
     def forward(m, x):
-        h = model.stage_forward(x, plans[m].ctx)
+        h = model.stage_forward(x, plans[m].batch)
         if not model.is_last:
             return h
         lp = plans[m].score(model, h, temperature)

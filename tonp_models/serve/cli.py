@@ -48,12 +48,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="tokens a forward feeds at most (chunked prefill; default: no limit)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--max-n", type=int, default=64, help="sequences one request may ask for")
+    ap.add_argument("--max-logprobs", type=int, default=20,
+                    help="top (and prompt) logprobs a request may ask for (-1 = the vocab)")
+    ap.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="characters of a text prompt, checked before tokenizing "
+                         "(default: 32 x max-model-len)")
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant",
                     help="kernel mode (torch: stock ops, for comparison)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds running requests may take to finish on shutdown")
-    return ap.parse_args(argv)
+    ap.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                    "(repeat for several keys; default: the env TONP_API_KEY, else none)")
+    ap.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="a host name the Host / Origin headers may name besides localhost, "
+                    "127.0.0.1 and [::1] (e.g. a proxy's; '*': any)")
+    ap.add_argument("--max-body-bytes", type=int, default=None,
+                    help="the largest request body (default: max(4 MiB, 64 x max-model-len))")
+    args = ap.parse_args(argv)
+    if args.api_key is None and os.environ.get("TONP_API_KEY") is not None:
+        args.api_key = [os.environ["TONP_API_KEY"]]
+    if any(not k.strip() for k in args.api_key or []):
+        ap.error("--api-key / TONP_API_KEY: an empty key would let everyone in")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        ap.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    return args
 
 
 def key_value(item: str):
@@ -124,6 +144,7 @@ def _serve_ranks(args, groups) -> None:
     from tonp_models.engine import Engine
 
     from .app import ServeState
+    from .security import Security, default_body_limit
     from .service import EngineService
     from .text import TextCodec
 
@@ -148,7 +169,13 @@ def _serve_ranks(args, groups) -> None:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.hf)) if args.hf
                                       else args.preset)
     st = ServeState(service, codec, name, context, c.vocab_size,
-                    sorted(set(eos) | set(codec.eos_ids())), args.max_n)
+                    sorted(set(eos) | set(codec.eos_ids())), args.max_n,
+                    c.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
+                    args.max_prompt_chars)
+    st.security = Security.for_server(args.host, api_keys=args.api_key or (),
+                                      allowed_hosts=args.allowed_host,
+                                      max_body_bytes=args.max_body_bytes or
+                                      default_body_limit(context))
     serve(st, args.host, args.port, args.graceful_timeout)
 
 

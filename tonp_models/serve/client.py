@@ -1,7 +1,7 @@
 """`RolloutClient`: `generate` through a running tonp server (its token-id /generate), and its
 weight updates. Standard library only (urllib), so an RL trainer needs nothing more.
 
-    client = RolloutClient("http://127.0.0.1:8000")
+    client = RolloutClient("http://127.0.0.1:8000")     # api_key: default the env TONP_API_KEY
     client.update_weights(model_dir)               # after model.save_pretrained(model_dir)
     out = client.generate(prompts, 32, temperature=1.0, seed=7, eos_token_id=eos,
                           request_ids=range(len(prompts)))   # a tonp_models.GenerationOutput
@@ -13,6 +13,7 @@ fp32 logprob exactly.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -32,13 +33,18 @@ class ServerError(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, url: str, timeout: float = 600.0):
+    """A server's client; `api_key` (default: the env TONP_API_KEY) is sent as a bearer token."""
+
+    def __init__(self, url: str, timeout: float = 600.0, api_key: Optional[str] = None):
         self.url, self.timeout = url.rstrip("/"), timeout
+        self.api_key = api_key if api_key is not None else os.environ.get("TONP_API_KEY")
 
     def _call(self, path: str, body: Optional[dict] = None):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read())

@@ -4,12 +4,14 @@ Bodies are pydantic models with `extra="forbid"` and strict types: an unknown fi
 where a number belongs or a bool where an integer belongs is a 400 naming the field. Values are
 then checked with the rules `generate` uses (tonp_models.checks): temperature 0 (greedy) or a
 normal fp32 number, top_p in (0, 1], top_k >= 1, seed in [0, 2**64), token ids in the
-vocabulary, prompt + max tokens within the context, n within the server's limit. OpenAI fields
-tonp does not implement (penalties, logit_bias, echo, suffix, best_of != n, tools) are refused
-by name rather than silently ignored.
+vocabulary, prompt + max tokens within the context, n within the server's limit, logprob
+counts within --max-logprobs. vLLM's and OpenAI's fields tonp does not implement (penalties,
+min_p, logit_bias, beam search, guided decoding, suffix, best_of != n, tools, ...) are accepted
+at their neutral value only (`NEUTRAL`) and refused by name otherwise, never silently ignored.
 """
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Dict, List, Literal, Optional, Union
 
@@ -36,32 +38,63 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    """Fields every generating endpoint shares (OpenAI's, plus vLLM's top_k, stop_token_ids,
-    ignore_eos)."""
+    """Fields every OpenAI endpoint shares: OpenAI's, and vLLM's sampling extras with their
+    vLLM names and JSON types. Those tonp does not implement are accepted at their neutral
+    value only (`NEUTRAL`), refused by name otherwise."""
     model: Optional[str] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    n: int = 1
+    top_k: Optional[int] = None              # vLLM: 0 or -1 = off
+    n: Optional[int] = 1
     seed: Optional[int] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[Dict[str, float]] = None
+    skip_special_tokens: bool = True
+    return_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    best_of: Optional[int] = None
     user: Optional[str] = None
+    # accepted at their neutral value only (NEUTRAL)
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    min_tokens: int = 0
+    length_penalty: float = 1.0
+    use_beam_search: bool = False
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    priority: int = 0
+    response_format: Optional[Dict] = None
+    structured_outputs: Optional[Dict] = None
+    guided_json: Optional[Union[str, Dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    logits_processors: Optional[List] = None
+    cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[Dict] = None
+    vllm_xargs: Optional[Dict] = None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, List[int], List[str], List[List[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
-    echo: bool = False
-    best_of: Optional[int] = None
+    echo: Optional[bool] = False
+    add_special_tokens: bool = True          # vLLM's default for completions
     suffix: Optional[str] = None
+    prompt_embeds: Optional[Union[str, List[str]]] = None
 
 
 class ChatMessage(_Body):
@@ -74,34 +107,72 @@ class ChatRequest(_Sampling):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
+    add_special_tokens: bool = False         # vLLM's default for chat (the template has them)
+    chat_template_kwargs: Optional[Dict] = None
+    # accepted at their neutral value only (NEUTRAL)
+    echo: bool = False
     tools: Optional[List[Dict]] = None
-    response_format: Optional[Dict] = None
+    tool_choice: Optional[Union[str, Dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    documents: Optional[List[Dict]] = None
+    mm_processor_kwargs: Optional[Dict] = None
+    structural_tag: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    include_reasoning: bool = True
 
 
-class GenerateSampling(_Body):
-    """SGLang's sampling_params (the subset tonp implements)."""
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: Optional[int] = None
-    stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
-    n: int = 1
+def _is(*values):
+    """A value test: one of `values` (the bodies are strict: no bool passes for a number)."""
+    return lambda v: v in values
 
 
-class GenerateRequest(_Body):
-    """SGLang's /generate with token ids: one prompt or a batch. request_ids (tonp): the noise
-    key of each prompt (default 0..n-1), so a batch reproduces `generate(..., request_ids=...)`."""
-    input_ids: Optional[Union[List[int], List[List[int]]]] = None
-    text: Optional[Union[str, List[str]]] = None
-    sampling_params: GenerateSampling = GenerateSampling()
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    stream: bool = False
-    request_ids: Optional[List[int]] = None
+# field -> (is its value a no-op for tonp?, the value(s) it accepts). vLLM's defaults; a client
+# that sends them (TRL sends repetition_penalty 1, top_k 0, min_p 0) is served unchanged.
+NEUTRAL = {
+    "presence_penalty": (_is(None, 0), "0"),
+    "frequency_penalty": (_is(None, 0), "0"),
+    "repetition_penalty": (_is(None, 1), "1"),
+    "min_p": (_is(None, 0), "0"),
+    "min_tokens": (_is(0), "0"),
+    "length_penalty": (_is(1), "1"),
+    "use_beam_search": (_is(False), "false"),
+    "spaces_between_special_tokens": (_is(True), "true"),
+    "truncate_prompt_tokens": (_is(None), "null"),
+    "allowed_token_ids": (_is(None), "null"),
+    "bad_words": (lambda v: not v, "[]"),
+    "logit_bias": (lambda v: not v, "{}"),
+    "priority": (_is(0), "0"),
+    "response_format": (lambda v: v in (None, {"type": "text"}), '{"type": "text"}'),
+    "structured_outputs": (_is(None), "null"),
+    "guided_json": (_is(None), "null"),
+    "guided_regex": (_is(None), "null"),
+    "guided_choice": (_is(None), "null"),
+    "guided_grammar": (_is(None), "null"),
+    "guided_decoding_backend": (_is(None), "null"),
+    "guided_whitespace_pattern": (_is(None), "null"),
+    "logits_processors": (lambda v: not v, "null"),
+    "cache_salt": (_is(None), "null"),
+    "kv_transfer_params": (_is(None), "null"),
+    "vllm_xargs": (lambda v: not v, "null"),
+    "suffix": (_is(None), "null"),
+    "prompt_embeds": (_is(None), "null"),
+    "tools": (lambda v: not v, "[]"),
+    "tool_choice": (_is(None, "none"), '"none"'),
+    "parallel_tool_calls": (_is(None, False), "false"),
+    "add_generation_prompt": (_is(True), "true"),
+    "continue_final_message": (_is(False), "false"),
+    "chat_template": (_is(None), "null (the checkpoint's template)"),
+    "documents": (_is(None), "null"),
+    "mm_processor_kwargs": (_is(None), "null"),
+    "structural_tag": (_is(None), "null"),
+    "reasoning_effort": (_is(None), "null"),
+    "include_reasoning": (_is(True), "true"),
+}
 
 
 class UpdateWeightsRequest(_Body):
@@ -110,26 +181,24 @@ class UpdateWeightsRequest(_Body):
 
 # -- translation ------------------------------------------------------------------------------
 def refuse_unsupported(body: _Sampling) -> None:
-    """400 for OpenAI features tonp does not implement, named."""
-    unsupported = [("presence_penalty", body.presence_penalty not in (0, 0.0)),
-                   ("frequency_penalty", body.frequency_penalty not in (0, 0.0)),
-                   ("logit_bias", bool(body.logit_bias)),
-                   ("stop", bool(body.stop))]
-    if isinstance(body, CompletionRequest):
-        unsupported += [("echo", body.echo), ("suffix", body.suffix is not None),
-                        ("best_of", body.best_of not in (None, body.n))]
-    if isinstance(body, ChatRequest):
-        unsupported += [("tools", bool(body.tools)),
-                        ("response_format", body.response_format not in (None, {"type": "text"}))]
-    for name, bad in unsupported:
-        if bad:
-            hint = " (use stop_token_ids)" if name == "stop" else ""
-            raise ApiError(400, f"{name} is not supported by this server{hint}", name)
+    """400 naming the first field set to a value tonp does not implement (never ignored)."""
+    for name, (neutral, want) in NEUTRAL.items():
+        if name in type(body).model_fields and not neutral(getattr(body, name)):
+            got = json.dumps(getattr(body, name))[:80]
+            raise ApiError(400, f"{name} is not supported by this server: it accepts {want} "
+                                f"only (got {got})", name)
+    if isinstance(body, ChatRequest) and body.echo:
+        raise ApiError(400, "echo is not supported on chat completions (use /v1/completions)",
+                       "echo")
+    if body.best_of not in (None, body.n):
+        raise ApiError(400, f"best_of must equal n (no beam or best-of search), got "
+                            f"best_of={body.best_of}, n={body.n}", "best_of")
 
 
 def sampling_params(*, temperature, top_p, top_k, seed, max_new: int, eos: List[int],
-                    stop_ids: Optional[List[int]], top_logprobs: int,
-                    vocab: int) -> SamplingParams:
+                    stop_ids: Optional[List[int]], top_logprobs: int, vocab: int,
+                    prompt_logprobs: Optional[int] = None, max_logprobs: int = 20,
+                    top_name: str = "logprobs") -> SamplingParams:
     """SamplingParams from request values, each checked by generate's rules (400 naming it)."""
     def check(param, fn):
         try:
@@ -146,10 +215,13 @@ def sampling_params(*, temperature, top_p, top_k, seed, max_new: int, eos: List[
         check("seed", lambda: as_int("request", "seed", seed, 0, 2**64))
     stop = check("stop_token_ids", lambda: [as_int("request", f"stop_token_ids[{j}]", v, 0, vocab)
                                             for j, v in enumerate(stop_ids or [])])
-    if not 0 <= top_logprobs <= 20:
-        raise ApiError(400, f"request: at most 20 top logprobs, got {top_logprobs}", "logprobs")
+    for name, v in ((top_name, top_logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if v is not None and not 0 <= v <= max_logprobs:
+            raise ApiError(400, f"request: {name} must be in [0, {max_logprobs}] (the server's "
+                                f"--max-logprobs), got {v}", name)
     return SamplingParams(max_new, t, k, None if top_p in (None, 1.0) else top_p, s,
-                          frozenset(eos), frozenset(stop), top_logprobs)
+                          frozenset(eos), frozenset(stop), top_logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def check_n(n: int, prompts: int, max_n: int) -> None:

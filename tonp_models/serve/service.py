@@ -92,6 +92,13 @@ class EngineService:
         self._put(("update", path, fut))
         return fut
 
+    def flush_cache(self) -> Future:
+        """A Future of (ok, message): every rank forgets its cached prefixes between two steps
+        (running requests keep their pages)."""
+        fut: Future = Future()
+        self._put(("flush", fut))
+        return fut
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is left (finish "abort"), stop every rank's loop and join the thread."""
         if self._thread is not None and self._thread.is_alive():
@@ -150,7 +157,7 @@ class EngineService:
     @staticmethod
     def _public(cmd: Tuple) -> Tuple:
         """A command as the other ranks get it (no sinks nor futures)."""
-        return cmd[:2] if cmd[0] in ("add", "update") else cmd
+        return cmd[:2] if cmd[0] in ("add", "update") else cmd[:1] if cmd[0] == "flush" else cmd
 
     def _tick(self, cmds: List[Tuple]) -> bool:
         """Apply the commands, step the engine once, run a due weight update. False: stop."""
@@ -172,6 +179,10 @@ class EngineService:
             elif kind == "update":
                 self._updates.append((cmd[1], cmd[2] if len(cmd) > 2 else None))
                 engine.sched.admit_started_only = True
+            elif kind == "flush":
+                engine.clear_prefix_cache()
+                if len(cmd) > 1:
+                    cmd[1].set_result((True, "the prefix cache is empty"))
             elif kind == "shutdown":
                 for key in list(engine.requests):
                     engine.abort(key)

@@ -7,6 +7,8 @@
     data         tokenizers, token files, samplers with a resumable position
     trainer      Trainer: the above in one object; build_model
     loop         fit (the supervised loop), lm_loss / lm_step, response_loss / _step, evaluate
+    rundir       prepare_out_dir: one run per output directory (--resume / --overwrite)
+    peers        peer_failure: a collective failed by a dead or stalled peer, in one line
     cli          the example scripts' flags, launch (--dist-timeout), run_script, run_supervised
 """
 from .checkpoints import CheckpointError, CheckpointManager, read_meta, rng_state, set_rng_state
@@ -17,6 +19,7 @@ from .loop import (dp_mean, dp_sum, evaluate, fit, lm_loss, lm_step, response_lo
                    response_step, token_mean_step)
 from .metrics import MetricLogger, plot_curves, read_jsonl
 from .optim import MasterWeights, build_optimizer, warmup_cosine
+from .rundir import prepare_out_dir
 from .trainer import Trainer, build_model
 
 __all__ = [
@@ -26,5 +29,5 @@ __all__ = [
     "GradSync", "expert_grad_divisor", "dp_mean", "dp_sum", "evaluate", "fit", "lm_loss",
     "response_loss", "lm_step", "response_step", "token_mean_step",
     "MetricLogger", "plot_curves", "read_jsonl", "MasterWeights", "build_optimizer",
-    "warmup_cosine", "Trainer", "build_model",
+    "warmup_cosine", "prepare_out_dir", "Trainer", "build_model",
 ]

@@ -6,8 +6,9 @@
 
 `<root>/step_00000100/` holds one `rankNNNNN.pt` per rank and `meta.json` (the run's identity,
 each file's size and sha256), written last; the directory is renamed into place, so a crash
-leaves the complete checkpoint or none of it. Loading checks completeness, checksums and that
-`expect` matches; each failure is a CheckpointError. Details: docs/training.md.
+leaves the complete checkpoint or none of it (re-saving a step swaps the old one out, then
+deletes it). Loading checks completeness, checksums and that `expect` matches; each failure is
+a CheckpointError. Details: docs/training.md.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_OLD = ".old-"          # a checkpoint being replaced by a re-save of its step (complete)
+RESERVED_META = ("step", "world_size", "files")   # meta.json keys the manager writes itself
 
 
 class CheckpointError(RuntimeError):
@@ -86,13 +89,20 @@ class CheckpointManager:
 
     # -- finding ----------------------------------------------------------------------------------
     def complete(self) -> List[str]:
-        """Complete checkpoint directories (with meta.json), oldest first."""
+        """Complete checkpoint directories (with meta.json), oldest first. A re-save of a step
+        cut short between its two renames left the old checkpoint as `.old-step_N` and no
+        `step_N`: that one counts (the next save renames it back)."""
         if not os.path.isdir(self.root):
             return []
-        found = sorted((int(m.group(1)), name) for name in os.listdir(self.root)
-                       if (m := _STEP_DIR.match(name))
-                       and os.path.isfile(os.path.join(self.root, name, "meta.json")))
-        return [os.path.join(self.root, name) for _, name in found]
+        names = os.listdir(self.root)
+        found = {}
+        for name in names:
+            step_name = name[len(_OLD):] if name.startswith(_OLD) else name
+            m = _STEP_DIR.match(step_name)
+            if m and os.path.isfile(os.path.join(self.root, name, "meta.json")) and \
+                    (name == step_name or step_name not in names):
+                found[int(m.group(1))] = name
+        return [os.path.join(self.root, found[k]) for k in sorted(found)]
 
     def latest(self) -> Optional[str]:
         done = self.complete()
@@ -101,14 +111,19 @@ class CheckpointManager:
     # -- saving -----------------------------------------------------------------------------------
     def save(self, step: int, state: Dict[str, Any], meta: Dict[str, Any]) -> str:
         """Write this rank's `state` and (rank 0) `meta` as checkpoint `step`, atomically.
-        Collective under torchrun. Returns the checkpoint directory."""
+        Collective under torchrun. Returns the checkpoint directory. `meta` must not hold the
+        keys the manager writes itself (RESERVED_META: ValueError)."""
+        clash = sorted(k for k in meta if k in RESERVED_META)
+        if clash:
+            raise ValueError(f"CheckpointManager.save: meta keys {', '.join(map(repr, clash))} "
+                             f"are reserved (the manager writes {', '.join(RESERVED_META)} "
+                             f"itself); rename them")
         name = f"step_{step:08d}"
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
+        old = os.path.join(self.root, _OLD + name)
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
-            for stale in os.listdir(self.root):        # left by an interrupted save
-                if stale.startswith(".tmp-") or stale.startswith(".old-"):
-                    shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
+            self._clean()
             os.makedirs(tmp)
         self._barrier()
         buf = io.BytesIO()
@@ -123,16 +138,30 @@ class CheckpointManager:
                         json.dumps(body, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
             if os.path.exists(final):                  # re-saving a step: replace it whole
-                os.rename(final, os.path.join(self.root, f".old-{name}"))
+                os.rename(final, old)                  # (a crash here: complete() finds `old`)
             os.rename(tmp, final)
             _fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)     # the new one is in place and synced
             self._prune()
         self._barrier()
         return final
 
+    def _clean(self) -> None:
+        """What an interrupted save or prune left: torn `.tmp-` and `.trash-` directories go;
+        an `.old-step_N` goes when `step_N` exists, else it is renamed back (it is complete)."""
+        names = os.listdir(self.root)
+        for stale in names:
+            path = os.path.join(self.root, stale)
+            if stale.startswith(_OLD) and stale[len(_OLD):] not in names \
+                    and os.path.isfile(os.path.join(path, "meta.json")):
+                os.rename(path, os.path.join(self.root, stale[len(_OLD):]))
+            elif stale.startswith((".tmp-", ".trash-", _OLD)):
+                shutil.rmtree(path, ignore_errors=True)
+        _fsync_dir(self.root)
+
     def _prune(self) -> None:
         for path in self.complete()[:-self.keep_last]:
-            trash = os.path.join(self.root, ".old-" + os.path.basename(path))
+            trash = os.path.join(self.root, ".trash-" + os.path.basename(path))
             os.rename(path, trash)                     # gone from complete() at once
             shutil.rmtree(trash, ignore_errors=True)
         _fsync_dir(self.root)

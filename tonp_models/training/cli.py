@@ -3,6 +3,10 @@ clean error exits, and `run_supervised` (the one loop pretrain.py and finetune.p
 
     ap = argparse.ArgumentParser(); add_launch_args(ap); add_training_args(ap, steps=200, ...)
     sys.exit(run_script(main, "pretrain.py"))   # user errors: one line on stderr, exit 1
+
+A resume keeps the hyper-parameters the checkpoint was trained with: the flags in
+SUPERVISED_FIXED (and each script's own) are recorded in its meta.json and a resume with another
+value is refused, naming the flag; --steps is applied (the schedule's end moves, said in the log).
 """
 from __future__ import annotations
 
@@ -24,14 +28,23 @@ from ..qwen3_moe import PRESETS, Qwen3MoeConfig
 from .checkpoints import CheckpointError
 from .loop import fit
 from .metrics import plot_curves
+from .peers import peer_failure, register_peers
+from .rundir import prepare_out_dir
 from .trainer import Trainer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt")
-# Errors a user's input causes (bad values, files, checkpoints, a stalled peer): one clean line.
+# Errors a user's input causes (bad values, files, checkpoints), and a pipeline stage that
+# failed on another rank (that rank says why): one clean line. Peers that die: `peer_failure`.
 USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, FloatingPointError,
-               torch.distributed.DistError)
+               torch.distributed.DistError, tpar.StageFailed)
+# Flags a supervised checkpoint fixes (a resume with another value is refused, naming the flag);
+# the scripts add their data flags. Not recorded, so free on resume: --steps (applied: the
+# schedule's end moves), --eval-every, --save-every, --keep-last, --stop-after, --threads, ...
+SUPERVISED_FIXED = ("lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "batch_size",
+                    "seed", "micro_batches", "mode", "numerics")
+PATH_FLAGS = ("data",)                  # recorded as absolute paths
 
 
 # -- argument types -------------------------------------------------------------------------------
@@ -130,11 +143,27 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
     ap.add_argument("--keep-last", type=positive_int, default=keep_last)
     ap.add_argument("--resume", nargs="?", const="latest", default=None,
                     help="continue from a checkpoint dir, or the latest under <out>/ckpt")
+    add_overwrite_arg(ap)
     ap.add_argument("--stop-after", type=positive_int, default=None,
                     help="stop (with a checkpoint) after this step, as if interrupted")
     ap.add_argument("--no-export", action="store_true", help="skip the HF export at the end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
+
+
+def add_overwrite_arg(ap: argparse.ArgumentParser) -> None:
+    """--overwrite (see `rundir.prepare_out_dir`)."""
+    ap.add_argument("--overwrite", action="store_true",
+                    help="start afresh in an --out that holds a run: delete its checkpoints, "
+                         "metrics, curves and HF export first (without it such a start is "
+                         "refused)")
+
+
+def fixed_flags(args, names: Sequence[str]) -> Dict[str, Any]:
+    """{"--lr": 0.005, ...}: the values of the flags `names` (attribute names), for meta.json."""
+    return {"--" + n.replace("_", "-"): os.path.abspath(getattr(args, n))
+            if n in PATH_FLAGS and getattr(args, n) is not None else getattr(args, n)
+            for n in names}
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, object]:
@@ -184,8 +213,15 @@ def launch(args, body: Callable[[Any, tpar.ParallelGroups], Any]) -> Any:
         groups = dataclasses.replace(groups, device=torch.device(device, local))
     if args.micro_batches is None:
         args.micro_batches = groups.pp_size
+    register_peers(groups)
     with tk.use(args.mode, numerics=getattr(args, "numerics", "exact")):
         return body(args, groups)
+
+
+def prepare_run_dir(args, groups, can_resume: bool = True) -> None:
+    """`rundir.prepare_out_dir` from --out, --resume and --overwrite (before the run writes)."""
+    prepare_out_dir(args.out, resume=getattr(args, "resume", None), overwrite=args.overwrite,
+                    groups=groups, can_resume=can_resume)
 
 
 def layout_meta(groups) -> Dict[str, Any]:
@@ -197,16 +233,20 @@ def layout_meta(groups) -> Dict[str, Any]:
 
 def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
                argv: Optional[Sequence[str]] = None) -> int:
-    """main(argv); a user error (bad value, missing or bad file, mismatched checkpoint, a timed
-    out peer) prints `prog: error: ...` on stderr and returns 1 instead of a traceback
+    """main(argv); a user error (bad value, missing or bad file, mismatched checkpoint) or a
+    collective that failed because a peer rank died or stalled (`peers.peer_failure`) prints
+    `prog: error: ...` (one line) on stderr and returns 1 instead of a traceback
     (TONP_TRACEBACK=1 shows it)."""
     try:
         main(argv)
         return 0
-    except USER_ERRORS as e:
+    except Exception as e:
         if os.environ.get("TONP_TRACEBACK"):
             raise
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        line = peer_failure(e)
+        if line is None and not isinstance(e, USER_ERRORS):
+            raise
+        print(f"{prog}: error: {line or e}", file=sys.stderr)
         return 1
 
 
@@ -225,10 +265,13 @@ def export_hf(model, path: str, groups, files_from: Optional[str] = None) -> str
 
 def run_supervised(args, groups, model, sampler, loss_fn, *, meta: Dict[str, Any], name: str,
                    eval_fn: Optional[Callable[[], float]] = None,
-                   files_from: Optional[str] = None) -> Dict[str, Any]:
+                   files_from: Optional[str] = None, fixed: Sequence[str] = ()) -> Dict[str, Any]:
     """The run pretrain.py and finetune.py share: a Trainer from the flags of
     `add_training_args`, `fit`, the HF export (when the run reached --steps), the curves PNG
-    and a summary line. Returns fit's dict plus "model", "out", "hf", "png"."""
+    and a summary line. meta: the run's identity; the flags SUPERVISED_FIXED + `fixed` join it
+    (meta["flags"]), so a resume must match them too. Call `prepare_out_dir` first.
+    Returns fit's dict plus "model", "out", "hf", "png"."""
+    meta = {**meta, "flags": fixed_flags(args, SUPERVISED_FIXED + tuple(fixed))}
     trainer = Trainer(model, groups, lr=args.lr, weight_decay=args.weight_decay,
                       warmup=args.warmup, total_steps=args.steps, min_lr_ratio=args.min_lr_ratio,
                       grad_clip=args.grad_clip, ckpt_dir=os.path.join(args.out, "ckpt"),

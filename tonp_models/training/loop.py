@@ -108,9 +108,15 @@ def fit(trainer: Trainer, sampler, loss_fn: Callable[[Any], Tuple[torch.Tensor, 
     is_main = groups.rank == 0
     start, state = trainer.resume(resume)
     if state:
+        if start > steps:
+            raise ValueError(f"steps={steps} is below the step of the checkpoint it resumes "
+                             f"({state['path']}: step {start})")
         sampler.load_state_dict(state["data"])
+        saved = state["meta"].get("total_steps", steps)
         if is_main:
-            print(f"resumed from {state['path']} at step {start}")
+            moved = (f"; steps={steps} applied: the lr schedule now ends at step {steps} (the "
+                     f"checkpoint's run: {saved})") if saved != steps else ""
+            print(f"resumed from {state['path']} at step {start}{moved}")
     end = steps if stop_after is None else min(steps, stop_after)
     losses: Dict[int, float] = {}
     evals: Dict[int, float] = {}

@@ -20,8 +20,9 @@ class MetricLogger:
     """Writes metric rows (dicts) on rank 0 (`enabled`); the other ranks' calls do nothing.
 
     resume_step: continue an existing metrics.jsonl, keeping the rows up to that step (the steps
-    an interrupted run took after its last checkpoint are redone, so they are logged again).
-    Non-finite floats are written as null, so the file stays valid JSON.
+    an interrupted run took after its last checkpoint are redone, so they are logged again); the
+    kept rows go to a temporary file that replaces the old one (a crash leaves one or the
+    other, whole). Non-finite floats are written as null, so the file stays valid JSON.
     """
 
     def __init__(self, out_dir: str, enabled: bool = True, tensorboard: bool = True,
@@ -31,14 +32,12 @@ class MetricLogger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        kept = []
         if resume_step is not None and os.path.exists(self.path):
-            kept = [r for r in read_jsonl(self.path, torn_tail="warn")
-                    if r.get("step", 0) <= resume_step]
-        self.f = open(self.path, "w", encoding="utf-8")
-        for r in kept:
-            self.f.write(_dumps(r) + "\n")
-        self.f.flush()
+            _rewrite(self.path, [r for r in read_jsonl(self.path, torn_tail="warn")
+                                 if r.get("step", 0) <= resume_step])
+            self.f = open(self.path, "a", encoding="utf-8")
+        else:
+            self.f = open(self.path, "w", encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -67,6 +66,28 @@ class MetricLogger:
             self.f.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def _rewrite(path: str, rows: List[Dict]) -> None:
+    """Replace the JSONL file `path` by `rows`, atomically: a temporary file in the same
+    directory, fsynced, then os.replace (a crash at any point leaves the old file or the new)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(_dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)                        # the rename itself reaches the disk
+    finally:
+        os.close(fd)
 
 
 def _finite(v):

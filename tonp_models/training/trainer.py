@@ -40,7 +40,8 @@ class Trainer:
     The model moves to `groups.device` first (this rank's GPU / NPU, or the CPU).
     Args: model (with `parameter_shards()`), groups (ParallelGroups), lr, weight_decay, betas,
     warmup, total_steps, min_lr_ratio, grad_clip (0 = off), ckpt_dir (None = no checkpoints),
-    keep_last, meta (what a resumed checkpoint must match: config, layout, ...).
+    keep_last, meta (what a resumed checkpoint must match: config, layout, hyper-parameters;
+    the checkpoint also records total_steps, which a resume may change: see `resume`).
     """
 
     def __init__(self, model: torch.nn.Module, groups, *, lr: float, weight_decay: float = 0.0,
@@ -55,6 +56,9 @@ class Trainer:
         self.new_optimizer(lr, weight_decay, betas, warmup, total_steps, min_lr_ratio)
         self.ckpt = CheckpointManager(ckpt_dir, keep_last, groups) if ckpt_dir else None
         self.meta = meta or {}
+        if "total_steps" in self.meta:
+            raise ValueError("Trainer: meta key 'total_steps' is reserved (the trainer records "
+                             "its schedule's length itself)")
 
     def new_optimizer(self, lr: float, weight_decay: float = 0.0,
                       betas: Tuple[float, float] = (0.9, 0.95), warmup: int = 0,
@@ -63,6 +67,7 @@ class Trainer:
         self.opt = build_optimizer(self.master, lr, weight_decay, betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, warmup_cosine(warmup, total_steps, min_lr_ratio))
+        self.total_steps = total_steps
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():
@@ -93,12 +98,16 @@ class Trainer:
     def save(self, step: int, extra: Optional[Dict[str, Any]] = None) -> str:
         """Checkpoint everything a bit-exact resume needs (+ `extra`, e.g. the data position).
         Collective under torchrun. Returns the checkpoint directory."""
-        return self._manager().save(step, {**self.state_dict(), **(extra or {})}, self.meta)
+        return self._manager().save(step, {**self.state_dict(), **(extra or {})},
+                                    {**self.meta, "total_steps": self.total_steps})
 
     def resume(self, path: Optional[str]) -> Tuple[int, Dict[str, Any]]:
         """Load checkpoint `path` ("latest" = the newest under ckpt_dir; None = nothing) into the
         model, master weights, optimizer, schedule and RNGs. Returns (step, state) so the caller
-        can restore its own extras; (0, {}) when there is nothing to resume."""
+        can restore its own extras; (0, {}) when there is nothing to resume. The checkpoint's
+        meta must match `meta`; a different total_steps is applied: the schedule keeps its
+        position and ends at this trainer's total_steps (state["meta"]["total_steps"] is the
+        checkpoint's)."""
         if not path:
             return 0, {}
         mgr = self._manager()
@@ -111,6 +120,12 @@ class Trainer:
         self.master.load_state_dict(s["master"])
         self.opt.load_state_dict(s["optimizer"])
         self.sched.load_state_dict(s["scheduler"])
+        if s["meta"].get("total_steps", self.total_steps) != self.total_steps:
+            # The saved lr is the old schedule's value for the next step: recompute it from
+            # this trainer's schedule (LambdaLR does not save a function's closure).
+            for g, base, fn in zip(self.opt.param_groups, self.sched.base_lrs,
+                                   self.sched.lr_lambdas):
+                g["lr"] = base * fn(self.sched.last_epoch)
         set_rng_state(s["rng"])
         s["path"] = path
         return s["meta"]["step"], s

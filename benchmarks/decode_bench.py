@@ -1,0 +1,289 @@
+"""Batched decode, the rollout's shape: B sequences stepping together on 30B-A3B-shaped layers,
+against the machine's bound and, when installed, vLLM's CPU engine on the same checkpoint.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_bench.py            # ~5 min (no peer)
+    make peer-vllm && OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_bench.py --peer
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_bench.py --smoke    # seconds
+
+Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eos ignored):
+  * tonp's decode-step tokens/s (median step after the prefill forward) and its fraction of the
+    step's bound: the larger of its bytes over the read bandwidth probed in this run (weights the
+    batch touches + KV) and its FLOPs over the best fp32 GEMM rate measured in this run;
+  * the engine's own time per step outside the model's forward (scheduling, input building,
+    sampling: the Python overhead), reported apart;
+  * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
+    --peer, vLLM (`benchmarks/peer_vllm.py` in `.venv-vllm`), alternated round by round with the
+    idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio;
+  * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
+    torch.equal; vLLM: the number of differing positions).
+Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import roofline  # noqa: E402
+from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
+                      md_table, write_results)
+
+import tonp_kernels as tk  # noqa: E402
+from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_PY = REPO / ".venv-vllm" / "bin" / "python"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=16384, help="151936 = Qwen3's full vocabulary")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds after a warm-up")
+    ap.add_argument("--peer", action="store_true", help="also run vLLM (needs make peer-vllm)")
+    ap.add_argument("--peer-eager", action="store_true", help="vLLM without torch.compile (its "
+                    "default compiles the model first: many minutes on a loaded 2-core machine)")
+    ap.add_argument("--quick", action="store_true", help="batches 1,16; one round")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, checks the code runs")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return ap.parse_args(argv)
+
+
+def make_config(a) -> Qwen3MoeConfig:
+    if a.smoke:
+        # head_dim 32: the least vLLM's CPU attention takes (so --smoke --peer checks the peer)
+        return Qwen3MoeConfig.preset("tiny", num_hidden_layers=1, head_dim=32,
+                                     bos_token_id=None, eos_token_id=None)
+    return Qwen3MoeConfig.preset("qwen3_30b_a3b", num_hidden_layers=a.layers,
+                                 vocab_size=a.vocab, max_position_embeddings=4096,
+                                 bos_token_id=None, eos_token_id=None)
+
+
+class _Clock:
+    """Stands in for the model in `generate`: notes each forward's start and end."""
+
+    def __init__(self, model):
+        self.model, self.config, self.spans = model, model.config, []
+
+    def new_cache(self, *args, **kwargs):
+        return self.model.new_cache(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        self.spans.append((t0, time.perf_counter()))
+        return out
+
+
+def tonp_run(model, prompts: List[List[int]], new: int) -> dict:
+    """One greedy generate of `prompts`: its wall time, decode-step times and the engine's time
+    per step outside the forward, and prompt 0's logprobs."""
+    clock = _Clock(model)
+    t0 = time.perf_counter()
+    with tk.use("invariant"):
+        out = generate(clock, prompts, new, max_batch_size=len(prompts))
+    wall = time.perf_counter() - t0
+    assert all(len(c) == new for c in out.completions), "generation stopped early"
+    starts = [s for s, _ in clock.spans[1:]] + [t0 + wall]
+    steps = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    fwd = [e - s for s, e in clock.spans[1:]]
+    over = [st - f for st, f in zip(steps, fwd)]
+    return {"wall_s": wall, "step_s": statistics.median(steps),
+            "overhead_s": statistics.median(over), "forward_s": statistics.median(fwd),
+            "logprobs0": out.logprobs[0].clone()}
+
+
+class Peer:
+    """vLLM in its own venv and process group, paused between its turns."""
+
+    def __init__(self, ckpt: str, dtype: str, max_len: int, max_seqs: int, eager: bool):
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        pre = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if
+               os.path.exists(p)]
+        if pre:
+            env["LD_PRELOAD"] = ":".join(pre + [env.get("LD_PRELOAD", "")]).rstrip(":")
+        self.proc = subprocess.Popen(
+            [str(PEER_PY), str(REPO / "benchmarks" / "peer_vllm.py"), "--model", ckpt,
+             "--dtype", {"bf16": "bfloat16", "fp32": "float32"}[dtype], "--max-model-len",
+             str(max_len), "--max-num-seqs", str(max_seqs)] + (["--eager"] if eager else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.lines: "queue.Queue" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        hello = self._read(1800)
+        self.version = hello.get("vllm")
+        self.pause()
+
+    def _pump(self) -> None:
+        """A thread: every JSON line of the peer's stdout onto a queue (vLLM also prints other
+        lines there; select() on the pipe under a buffered readline would lose lines)."""
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            out = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            out = None
+        if out is None:
+            raise RuntimeError(f"decode_bench: vLLM did not answer (exit {self.proc.poll()})")
+        return out
+
+    def pause(self):
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self):
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def run(self, prompts: List[List[int]], new: int) -> dict:
+        self.resume()
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
+            self.proc.stdin.flush()
+            out = self._read(1800)
+        finally:
+            self.pause()
+        return {"wall_s": out["seconds"], "logprobs0": out["logprobs"][0]}
+
+    def close(self):
+        with_ok = self.proc.poll() is None
+        if with_ok:
+            self.resume()
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float) -> dict:
+    """The step's time at the memory bound and at the compute bound; the larger one binds."""
+    nbytes = roofline.decode_bytes(cfg, 2 if dtype == "bf16" else 4, batch, context)
+    mem_s = nbytes / (read_GBs * 1e9)
+    cmp_s = batch * roofline.flops_per_token(cfg, context) / (machine["gemm_fp32_GFLOPs"] * 1e9)
+    return {"mem_s": mem_s, "compute_s": cmp_s, "kind": "memory" if mem_s >= cmp_s else "compute",
+            "bound_s": max(mem_s, cmp_s)}
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    batches = [1, 16] if a.quick else [int(b) for b in a.batches.split(",")]
+    if a.smoke:
+        batches, a.new, a.prompt_len, a.rounds = [1, 4], 4, 8, 1
+    rounds = 1 if a.quick else a.rounds
+    cfg = make_config(a)
+    meta = machine_meta()
+    meta["isa"] = tk.isa()
+    machine = roofline.measure_machine("smoke" if a.smoke else "quick" if a.quick else "full")
+    log(f"decode_bench: {meta['cpu']}, isa {meta['isa']}, {meta['threads']} threads; read "
+        f"{machine['read_GBs']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_GFLOPs']:.0f} GFLOP/s")
+    use_peer = a.peer and PEER_PY.exists()
+    peer_note = "" if use_peer else ("not installed (make peer-vllm)" if not PEER_PY.exists()
+                                     else "not asked (--peer)")
+    rows, data = [], {"meta": meta, "machine": machine, "config": cfg.__dict__, "results": []}
+    g = torch.Generator().manual_seed(0)
+    all_prompts = torch.randint(0, cfg.vocab_size, (max(batches), a.prompt_len), generator=g)
+    context = a.prompt_len + a.new / 2
+    for dname in a.dtypes.split(","):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(cfg, dtype=DTYPES[dname]).eval()
+        peer, tmp = None, None
+        if use_peer:
+            tmp = tempfile.TemporaryDirectory(prefix="tonp-peer-")
+            from tonp_models.qwen3_moe.checkpoint import save_checkpoint
+            save_checkpoint(model, tmp.name)
+            log(f"decode_bench: starting vLLM ({dname})")
+            peer = Peer(tmp.name, dname, a.prompt_len + a.new + 16, max(batches),
+                        eager=a.peer_eager or a.smoke)
+            data["vllm_eager"] = a.peer_eager or a.smoke
+        ref_tonp, ref_peer = None, None
+        try:
+            for b in batches:
+                prompts = all_prompts[:b].tolist()
+                tonp_run(model, prompts[:1], 2)                          # warm-up
+                if peer is not None:
+                    peer.run(prompts[:1], 2)
+                best_t, best_p = None, None
+                for _ in range(rounds):
+                    t = tonp_run(model, prompts, a.new)
+                    best_t = t if best_t is None or t["wall_s"] < best_t["wall_s"] else best_t
+                    if peer is not None:
+                        p = peer.run(prompts, a.new)
+                        best_p = p if best_p is None or p["wall_s"] < best_p["wall_s"] else best_p
+                read_now = roofline.read_bandwidth_now(64 if a.smoke else 256)
+                bd = bound(cfg, machine, dname, b, context, read_now)
+                if b == batches[0]:
+                    ref_tonp = best_t["logprobs0"]
+                    ref_peer = best_p["logprobs0"] if best_p else None
+                same = torch.equal(best_t["logprobs0"], ref_tonp)
+                r = {"dtype": dname, "batch": b, "tonp_step_tok_s": b / best_t["step_s"],
+                     "tonp_forward_s": best_t["forward_s"], "tonp_overhead_s":
+                     best_t["overhead_s"], "tonp_e2e_tok_s": b * a.new / best_t["wall_s"],
+                     "bound": bd, "read_GBs": read_now,
+                     "fraction_of_bound": bd["bound_s"] / best_t["step_s"],
+                     "tonp_batch_invariant": same}
+                if best_p is not None:
+                    r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
+                    r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
+                    r["vllm_differ_vs_batch1"] = sum(
+                        x != y for x, y in zip(best_p["logprobs0"], ref_peer))
+                data["results"].append(r)
+                rows.append([dname, b, fmt(r["tonp_step_tok_s"]), f"{bd['kind']}",
+                             f"{100 * r['fraction_of_bound']:.0f}%",
+                             f"{1e3 * r['tonp_overhead_s']:.1f} ms",
+                             fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
+                             fmt_ratio(r.get("tonp_over_vllm")), "yes" if same else "NO",
+                             str(r.get("vllm_differ_vs_batch1", "-"))])
+                log(f"  {dname} batch {b}: {rows[-1]}")
+        finally:
+            if peer is not None:
+                data["vllm_version"] = peer.version
+                peer.close()
+            if tmp is not None:
+                tmp.cleanup()
+    head = ["dtype", "batch", "tonp decode tok/s", "bound", "of bound", "engine overhead/step",
+            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp bits = batch 1",
+            f"vLLM logprobs differing from batch 1 (of {a.new})"]
+    md = (f"# Batched decode\n\n{meta['date']}; {meta['cpu']}; kernel table **{meta['isa']}**; "
+          f"{meta['threads']} threads; model: {'tiny' if a.smoke else '30B-A3B shapes'}, "
+          f"{cfg.num_hidden_layers} layer(s), vocab {cfg.vocab_size}; prompts {a.prompt_len} "
+          f"tokens, {a.new} greedy new; read "
+          f"bandwidth {machine['read_GBs']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_GFLOPs']:.0f}"
+          f" GFLOP/s (best of MKL and tonp). vLLM: {data.get('vllm_version') or peer_note}"
+          f"{' (eager)' if data.get('vllm_eager') else ''}.\n"
+          f"{busy_warning(meta)}\n\n" + md_table(head, rows) + "\n\n'of bound': the step's "
+          "bound (bytes over the read bandwidth probed after the batch, or FLOPs over the GEMM "
+          "rate, whichever is larger) over the measured decode step. 'engine overhead': the "
+          "median step's time outside the model's forward. e2e: generated tokens over one "
+          "generate call's wall time, prefill included, best of the rounds.\n")
+    stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
+    write_results(a.out, stem, md, data)
+    print(md)
+    return data
+
+
+if __name__ == "__main__":
+    main()

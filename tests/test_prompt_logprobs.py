@@ -1,0 +1,91 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo`) are the training forward's bits.
+
+* Each prompt position's logprob the engine reports equals, bit for bit, `model.token_logprobs`
+  of the prompt, in fp32 and bf16, cold and with the prompt's prefix in the prefix cache, and
+  with other requests in the batch.
+* The top k are the sampler's: at a prompt's last position they equal, bit for bit, the top
+  logprobs the sampler reports for the token generated there; a token's rank counts the tokens
+  strictly more likely, and its value is the one its top entry holds.
+* Twin: with stock ops ("torch" mode) the training forward's logprobs of a sequence change with
+  its batch, the drift the engine's single-prompt forward would otherwise inherit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tonp_kernels as tk
+from conftest import assert_bitwise
+from test_generation import prompts, tiny_model
+from tonp_models.engine import Engine, Request, SamplingParams
+
+
+def _run(engine: Engine, reqs):
+    for r in reqs:
+        engine.add(r)
+    while engine.has_work:
+        engine.step()
+    return reqs
+
+
+def _values(r: Request) -> torch.Tensor:
+    return torch.tensor([p.logprob for p in r.prompt_logprobs], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_logprobs_equal_the_training_forward_cold_and_cached(dtype):
+    model = tiny_model(dtype)
+    p, other = (x.tolist() for x in prompts((45, 30), seed=31))
+    with torch.no_grad():
+        want = model.token_logprobs([torch.tensor(p)])[0]
+    engine = Engine(model, max_batch_size=4, max_step_tokens=16)
+    cold, = _run(engine, [Request("cold", p, SamplingParams(3, prompt_logprobs=4))])
+    assert cold.cache_hit == 0
+    assert_bitwise(_values(cold), want, "cold")
+    # the same prompt again, beside another request: its generation reads the prefix cache
+    hot, _ = _run(engine, [Request("hot", p, SamplingParams(3, prompt_logprobs=4)),
+                           Request("other", other, SamplingParams(3, temperature=1.0))])
+    assert hot.cache_hit > 0
+    assert_bitwise(_values(hot), want, "prefix-cache hit")
+    assert [q.rank for q in hot.prompt_logprobs] == [q.rank for q in cold.prompt_logprobs]
+
+
+def test_prompt_top_logprobs_are_the_samplers():
+    model = tiny_model(torch.float32)
+    p = prompts((20,), seed=32)[0].tolist()
+    engine = Engine(model, max_batch_size=2)
+    gen, = _run(engine, [Request("g", p, SamplingParams(1, temperature=0.8, seed=4,
+                                                         top_logprobs=5))])
+    tok = gen.completion[0]
+    scored, = _run(engine, [Request("s", p + [tok], SamplingParams(
+        0, temperature=0.8, prompt_logprobs=5))])
+    last = scored.prompt_logprobs[-1]
+    assert last.logprob == gen.logprobs[0] and last.top == gen.top_logprobs[0]
+    for q, t in zip(scored.prompt_logprobs, p[1:] + [tok]):
+        assert len(q.top) == 5
+        above = sum(v > q.logprob for _, v in q.top)
+        assert q.rank == 1 + above if above < 5 else q.rank >= 6
+        if t in dict(q.top):
+            assert dict(q.top)[t] == q.logprob and q.rank <= 5
+
+
+def test_max_new_tokens_0_scores_the_prompt_only():
+    model = tiny_model(torch.float32)
+    p = prompts((9,), seed=33)[0].tolist()
+    engine = Engine(model, max_batch_size=2)
+    r, = _run(engine, [Request("z", p, SamplingParams(0, prompt_logprobs=0))])
+    assert r.finish == "length" and r.completion == [] and len(r.prompt_logprobs) == 8
+    assert all(q.top == [] for q in r.prompt_logprobs)
+    one, = _run(engine, [Request("one", p[:1], SamplingParams(0, prompt_logprobs=2))])
+    assert one.prompt_logprobs == []
+
+
+def test_twin_stock_ops_change_a_sequences_logprobs_with_its_batch():
+    model = tiny_model(torch.float32)
+    p, other = prompts((45, 70), seed=31)
+    with tk.use("torch"), torch.no_grad():
+        alone = model.token_logprobs([p])[0]
+        batched = model.token_logprobs([p, other])[0]
+    assert not torch.equal(alone, batched)
+    with torch.no_grad():   # tonp's kernels: the same bits either way
+        assert torch.equal(model.token_logprobs([p])[0], model.token_logprobs([p, other])[0])
