@@ -27,7 +27,7 @@ EXTRAS = {
 }
 EXTRAS["test"] = EXTRAS["serve"] + EXTRAS["megatron"] + [
     "pytest>=8", "pytest-timeout>=2.3", "transformers>=5,<6", "tokenizers>=0.20",
-    "triton>=3.9,<4", "openai>=1.40", "httpx>=0.27"]
+    "triton>=3.9,<4", "openai>=1.40", "httpx>=0.27", "trl>=1.16,<2", "lm-eval[api]>=0.4,<0.5"]
 
 setup(
     name="tonp",
