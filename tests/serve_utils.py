@@ -122,6 +122,13 @@ class ServerProcess:
         return "".join(self.output)
 
 
+def rank_env(rank: int, port: int, world: int = 2) -> Dict[str, str]:
+    """The environment torchrun gives `rank` of `world` ranks on this host (gloo, loopback)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+
+
 def metrics(client, url: str) -> Dict[str, float]:
     """/metrics as {name (with labels): value}."""
     text = client.get(f"{url}/metrics").text

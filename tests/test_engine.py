@@ -344,6 +344,21 @@ def test_the_model_only_reads_and_writes_the_pages_the_scheduler_names():
         type(model)(model.config, groups=object())
 
 
+def test_held_admission_keeps_new_requests_waiting():
+    """hold_admission(True) (a weight update draining the batch): a new request waits, without
+    a forward, until the hold is lifted; then it runs as if it had never waited."""
+    model = tiny_model(torch.float32)
+    engine = Engine(model, max_batch_size=2)
+    engine.hold_admission(True)
+    engine.add(Request("a", [1, 2, 3], SamplingParams(4)))
+    assert engine.step() == [] and engine.num_waiting == 1 and engine.stats.forward_steps == 0
+    engine.hold_admission(False)
+    out = [o for _ in range(8) if engine.has_work for o in engine.step()]
+    assert [o.finish for o in out][-1] == "length" and engine.stats.forward_steps == 4
+    want = generate(model, [[1, 2, 3]], 4)
+    assert out[-1].request.tokens == want.sequences[0].tolist()
+
+
 def test_prefix_cache_evicts_the_least_recently_used_page():
     """Four pages. A, B, C each leave one cached page (LRU: A, B, C); a request extending A by a
     token shares A's page and leaves its own partial page (LRU: B, C, A's tail, A): no page is

@@ -9,14 +9,12 @@ prefix caching and chunked prefill (24-token steps) on.
 * G samples of one prompt prefill it once (the server's prefill counter).
 * /update_weights: no request lost (an in-flight request finishes with the old weights), the
   prefix cache is invalidated, later requests get the new weights' bits; a bad checkpoint is
-  refused and the server keeps serving; a load failing half-way stops generation (503) until a
-  good update.
+  refused and the server keeps serving (the failure cases: test_serve_weights.py).
 * examples/grpo.py --server rolls out through the server: logdiff 0, ratios exactly 1.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 
@@ -43,8 +41,9 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ckpt):
-    with ServerProcess(["--hf", ckpt, *ARGS]) as srv:
+def server(ckpt, tmp_path_factory):
+    allowed = str(tmp_path_factory.getbasetemp())       # the updates' tmp_path dirs are below
+    with ServerProcess(["--hf", ckpt, *ARGS, "--allowed-weights-dir", allowed]) as srv:
         yield srv
 
 
@@ -197,8 +196,9 @@ def test_update_weights_loses_no_request_and_invalidates_the_prefix_cache(server
         c = r["choices"][0]
         assert_bitwise(torch.tensor(c["logprobs"]["token_logprobs"]),
                        score(new, p, c["token_ids"], 0), "after the update")
-        # refused checkpoints: the weights stay, the server keeps serving
-        for bad, why in ((tmp_path / "missing", "cannot read a checkpoint config"),
+        # refused checkpoints: the weights stay, the server keeps serving (more cases:
+        # test_serve_weights.py)
+        for bad, why in ((tmp_path / "missing", "is not a checkpoint directory"),
                          (_other_shape(tmp_path), "does not match the running model")):
             r = _update(http, server.url, bad)
             assert r.status_code == 400 and why in r.json()["message"], r.text
@@ -206,16 +206,6 @@ def test_update_weights_loses_no_request_and_invalidates_the_prefix_cache(server
                                                           "weight_version": version + 1}
         g = http.post(f"{server.url}/generate", json={"input_ids": p}).json()
         assert g["meta_info"]["weight_version"] == version + 1
-        # a load that fails after the checks: weights unknown, no generation until a good update
-        broken = tmp_path / "broken"
-        broken.mkdir()
-        shutil.copy(os.path.join(path, "config.json"), broken / "config.json")
-        (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-        r = _update(http, server.url, broken)
-        assert r.status_code == 500 and not r.json()["success"], r.text
-        assert http.get(f"{server.url}/health").status_code == 503
-        r = http.post(f"{server.url}/v1/completions", json={"prompt": p})
-        assert r.status_code == 503 and "cannot generate" in r.json()["error"]["message"]
     finally:
         t.join(60)
         assert _update(http, server.url, ckpt).status_code == 200     # the original weights
@@ -293,7 +283,7 @@ def test_service_update_drains_running_requests_and_gives_waiting_ones_the_new_w
         service.submit([Request("a", p, SamplingParams(40, 0.0)),
                         Request("b", p, SamplingParams(5, 0.0))], sink)
         assert started.wait(30)
-        ok, message = service.update_weights("new").result(60)
+        ok, message, _ = service.update_weights("new").result(60)
         assert ok and service.weight_version == 1, message
         assert finished.wait(30)
     finally:

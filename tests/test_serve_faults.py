@@ -21,7 +21,7 @@ import torch
 
 from conftest import assert_bitwise
 from dist_utils import free_port
-from serve_utils import ServerProcess, metrics, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, rank_env, tiny_checkpoint, wait_until
 from test_generation import prompts, tiny_model
 
 # 64 pages of 16 positions: the load test's 64 clients do not all fit at once.
@@ -196,12 +196,6 @@ def test_sigterm_cancels_what_outlasts_the_graceful_timeout_and_exits_cleanly():
     assert "Traceback" not in srv.log and "ERROR" not in srv.log, srv.log
 
 
-def _rank_env(rank: int, port: int):
-    return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo"}
-
-
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--ep", "2"]], ids=["tp2", "ep2"])
 def test_two_rank_server_steps_both_ranks_in_lockstep(tmp_path, layout):
     """Two ranks as torchrun starts them (TP 2, or EP 2): rank 0 serves, rank 1 follows its
@@ -210,8 +204,8 @@ def test_two_rank_server_steps_both_ranks_in_lockstep(tmp_path, layout):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", model, tokenizer=False)
     port, args = free_port(), ["--hf", ckpt, "--dtype", "fp32", *layout,
                                "--max-step-tokens", "16", "--max-batch-size", "8"]
-    with ServerProcess(args, env=_rank_env(1, port), announce=False) as follower, \
-            ServerProcess(args, env=_rank_env(0, port)) as srv, httpx.Client(timeout=60) as c:
+    with ServerProcess(args, env=rank_env(1, port), announce=False) as follower, \
+            ServerProcess(args, env=rank_env(0, port)) as srv, httpx.Client(timeout=60) as c:
         ps = [p.tolist() for p in prompts((30, 7, 45), seed=24)]
         r = c.post(srv.url + "/generate", json={
             "input_ids": ps, "return_logprob": True, "request_ids": [0, 1, 2],

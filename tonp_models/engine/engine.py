@@ -113,10 +113,32 @@ class Engine:
         self._end(r, "abort")
         return True
 
+    def fail(self, key, error: Exception) -> bool:
+        """End a waiting or running request now with finish "error" and `error` (its pages are
+        released). False when no live request has this key."""
+        r = self.requests.get(key)
+        if r is None:
+            return False
+        self._end(r, "error", error)
+        return True
+
+    def fail_running(self, error: Exception) -> List[Any]:
+        """End every running request with finish "error" (after a step that raised: the batch
+        it fed was among them); the keys of those ended."""
+        keys = [r.key for r in self.sched.running]
+        for key in keys:
+            self.fail(key, error)
+        return keys
+
     def hold_admission(self, on: bool) -> None:
         """While on, only requests that already generated tokens (preempted ones) rejoin the
         batch; new ones wait (a weight update drains the running requests first)."""
         self.sched.admit_started_only = bool(on)
+
+    @property
+    def has_started_requests(self) -> bool:
+        """Are requests running, or preempted after producing tokens?"""
+        return self.sched.started_requests()
 
     def _end(self, r: Request, reason: str, error: Optional[Exception] = None,
              out: Optional[StepOutput] = None) -> None:

@@ -19,6 +19,7 @@ class SamplingParams:
     top_logprobs: also report the k most likely tokens of each step's distribution.
     prompt_logprobs: None, or k >= 0: also score the prompt (engine/prompt_logprobs.py) with
         the k most likely tokens of each position.
+    Entry points make it with `engine.rules.sampling`, which checks every value.
     """
     max_new_tokens: int = 16
     temperature: float = 0.0

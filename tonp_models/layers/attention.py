@@ -19,8 +19,6 @@ gradients are summed over the TP group.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 

@@ -14,6 +14,9 @@ from typing import List, Optional
 
 import torch
 
+from tonp_parallel.context import ContextSplit
+from tonp_parallel.sequence import SequenceSplit
+
 from .kv_cache import CacheStep
 
 
@@ -32,8 +35,8 @@ class ForwardBatch:
     bounds: Optional[List[int]] = None
     cu_seqlens: Optional[torch.Tensor] = None
     kv: Optional[CacheStep] = None
-    cp: Optional[object] = None
-    sp: Optional[object] = None
+    cp: Optional[ContextSplit] = None
+    sp: Optional[SequenceSplit] = None
 
     @property
     def hidden_rows(self) -> int:

@@ -151,6 +151,23 @@ def _expert_slots(hf, L, name, part, shape, shard) -> List[Slot]:
     return [Slot(hf.format(L=L, E=first + e), name, (e, rows), per_expert) for e in range(n)]
 
 
+def hub_layout(model) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, Slot]]:
+    """({HF name: full shape} of the whole model, {HF name: this rank's Slot} of the names it
+    holds): what a pushed full (unsharded) tensor is checked against and sharded by."""
+    return ({s.hf: s.shape for s in hub_slots(model, full=True)},
+            {s.hf: s for s in hub_slots(model)})
+
+
+def slot_region(s: Slot, full: torch.Tensor) -> torch.Tensor:
+    """This rank's region of the full HF tensor `full` of slot s."""
+    return full[s.read] if s.read else full
+
+
+def slot_target(params: Dict[str, torch.Tensor], s: Slot) -> torch.Tensor:
+    """The view of a tonp parameter slot s fills."""
+    return params[s.param][s.index] if s.index else params[s.param]
+
+
 # ---------------------------------------------------------------------------------------------
 # Load
 # ---------------------------------------------------------------------------------------------
@@ -174,12 +191,38 @@ def _fused_layers(config, files: Dict[str, str]) -> List[int]:
     return fused
 
 
-@torch.no_grad()
-def load_checkpoint(model, path) -> None:
-    """Fill `model`'s parameters (this rank's shards) from an HF safetensors checkpoint dir.
+class CheckpointMismatch(ValueError):
+    """A checkpoint refused by `check_checkpoint` (no weight changed). str(e) lists every
+    tensor; `problems` is {kind: [lines]} (kinds: missing, unexpected, mis-shaped, wrong dtype)."""
 
-    Raises one ValueError listing every missing, unexpected, mis-shaped, wrongly typed and
-    non-finite tensor (with its file); ambiguous directories are refused first."""
+    def __init__(self, message: str, problems: Dict[str, List[str]]):
+        super().__init__(message)
+        self.problems = problems
+
+
+@dataclass
+class LoadPlan:
+    """What `copy_checkpoint` reads: every slot of this rank with the file that holds it."""
+    path: str
+    items: List[Tuple[Slot, str]]
+
+
+def _problems_message(model, path: str, problems: Dict[str, List[str]]) -> str:
+    c = model.config
+    lines = [f"checkpoint {path} does not match the model ({c.num_hidden_layers} layers, "
+             f"{c.num_experts} experts, {model.dtype}):"]
+    for what, items in problems.items():
+        if items:
+            lines.append(f"  {what} ({len(items)}): " + ", ".join(items[:20]) +
+                         (" ..." if len(items) > 20 else ""))
+    return "\n".join(lines)
+
+
+def check_checkpoint(model, path) -> LoadPlan:
+    """Check an HF safetensors checkpoint dir against `model` without changing a weight: the
+    files readable (headers), every tensor of this rank present once, none unexpected, every
+    shape and dtype fit. Raises CheckpointMismatch (or ValueError / OSError for the files
+    themselves); returns the plan `copy_checkpoint` reads."""
     path = os.fspath(path)
     files = weight_files(path)
     c = model.config
@@ -192,8 +235,9 @@ def load_checkpoint(model, path) -> None:
                or (c.tie_word_embeddings and k == "lm_head.weight")} | everyone
     problems = {"missing": sorted(expected - set(files)),
                 "unexpected": sorted(set(files) - expected - ignored),
-                "mis-shaped": [], "wrong dtype": [], "non-finite": []}
+                "mis-shaped": [], "wrong dtype": []}
     params = dict(model.named_parameters())
+    items = []
     with TensorReader() as reader:
         for s in slots:
             if s.hf not in files:
@@ -201,24 +245,45 @@ def load_checkpoint(model, path) -> None:
             fn = files[s.hf]
             sl, dtype = reader.slice(fn, s.hf)
             shape = tuple(sl.get_shape())
-            dst = params[s.param][s.index] if s.index else params[s.param]
+            dst = slot_target(params, s)
             if shape != s.shape:
                 problems["mis-shaped"].append(f"{s.hf}: checkpoint {list(shape)}, model "
                                               f"{list(s.shape)}")
             elif (why := reader.dtype_problem(fn, s.hf, dtype, dst.dtype)) is not None:
                 problems["wrong dtype"].append(why)
-            else:
-                dst.copy_(sl[s.read] if s.read else sl[:])
-                if (why := nonfinite_problem(dst, s.hf, fn)) is not None:
-                    problems["non-finite"].append(why)
+            items.append((s, fn))
     if any(problems.values()):
-        lines = [f"checkpoint {path} does not match the model ({c.num_hidden_layers} layers, "
-                 f"{c.num_experts} experts, {model.dtype}):"]
-        for what, items in problems.items():
-            if items:
-                lines.append(f"  {what} ({len(items)}): " + ", ".join(items[:20]) +
-                             (" ..." if len(items) > 20 else ""))
-        raise ValueError("\n".join(lines))
+        raise CheckpointMismatch(_problems_message(model, path, problems), problems)
+    return LoadPlan(path, items)
+
+
+@torch.no_grad()
+def copy_checkpoint(model, plan: LoadPlan) -> None:
+    """Copy a checked checkpoint into `model`. An error here (an I/O error, a file changed
+    since the check, non-finite values: ValueError listing them) leaves the weights partly
+    from the checkpoint: the caller must not use them."""
+    params = dict(model.named_parameters())
+    nonfinite = []
+    with TensorReader() as reader:
+        for s, fn in plan.items:
+            sl, _ = reader.slice(fn, s.hf)
+            if tuple(sl.get_shape()) != s.shape:
+                raise ValueError(f"load_checkpoint: {fn} changed while it was loaded")
+            dst = slot_target(params, s)
+            dst.copy_(sl[s.read] if s.read else sl[:])
+            if (why := nonfinite_problem(dst, s.hf, fn)) is not None:
+                nonfinite.append(why)
+    if nonfinite:
+        raise ValueError(_problems_message(model, plan.path, {"non-finite": nonfinite}))
+
+
+def load_checkpoint(model, path) -> None:
+    """Fill `model`'s parameters (this rank's shards) from an HF safetensors checkpoint dir.
+
+    Raises one ValueError listing every missing, unexpected, mis-shaped and wrongly typed
+    tensor (with its file) before any weight changed (`check_checkpoint`); ambiguous
+    directories are refused first; non-finite tensors are found while copying."""
+    copy_checkpoint(model, check_checkpoint(model, path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +397,8 @@ def _write(model, path: str, tensors, max_shard_size: int) -> None:
             json.dump(index, f, indent=2)
 
 
-__all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "load_checkpoint", "state_dict_hub",
+__all__ = ["TABLE", "FUSED", "Slot", "hub_slots", "hub_layout", "slot_region", "slot_target",
+           "load_checkpoint", "check_checkpoint",
+           "copy_checkpoint", "CheckpointMismatch", "LoadPlan", "state_dict_hub",
            "gather_full_parameters", "load_full_parameters", "copy_parameters",
            "save_checkpoint"]

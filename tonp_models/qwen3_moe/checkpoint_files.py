@@ -134,15 +134,21 @@ class TensorReader:
         return sl, _DTYPES.get(code, code)
 
     def dtype_problem(self, fn: str, name: str, src, dst: torch.dtype) -> Optional[str]:
-        """None when `src` may become `dst`: the same dtype; an exact widening (bf16 / fp16 ->
-        fp32); fp32 -> bf16 (a bf16 model rounds its weights to bf16). Else why not."""
-        if src == dst:
-            return None
-        if (src, dst) in _LOSSLESS or (src, dst) == (torch.float32, torch.bfloat16):
+        """None when `src` may become `dst` (`cast_problem`'s rule). Else why not."""
+        why = cast_problem(f"{name} in {fn}", src, dst)
+        if why is None and src != dst:
             self.casts[(src, dst)] = self.casts.get((src, dst), 0) + 1
-            return None
-        hint = " (load with dtype=torch.float32: exact)" if src == torch.float16 else ""
-        return f"{name} in {fn} is {src}, the model is {dst}: the cast would change values{hint}"
+        return why
+
+
+def cast_problem(what: str, src, dst: torch.dtype) -> Optional[str]:
+    """None when a tensor of dtype `src` may become `dst`: the same dtype; an exact widening
+    (bf16 / fp16 -> fp32); fp32 -> bf16 (a bf16 model rounds its weights to bf16). Else why
+    not, naming `what`."""
+    if src == dst or (src, dst) in _LOSSLESS or (src, dst) == (torch.float32, torch.bfloat16):
+        return None
+    hint = " (load with dtype=torch.float32: exact)" if src == torch.float16 else ""
+    return f"{what} is {src}, the model is {dst}: the cast would change values{hint}"
 
 
 def nonfinite_problem(t: torch.Tensor, name: str, fn: str) -> Optional[str]:
@@ -229,5 +235,5 @@ def split_shards(tensors: Dict[str, torch.Tensor], max_bytes: int
     return files, index
 
 
-__all__ = ["INDEX", "SINGLE", "weight_files", "TensorReader", "nonfinite_problem",
-           "write_directory", "split_shards"]
+__all__ = ["INDEX", "SINGLE", "weight_files", "TensorReader", "cast_problem",
+           "nonfinite_problem", "write_directory", "split_shards"]

@@ -229,20 +229,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         """The ForwardBatch this rank's stage runs for the packed sequences `ids` (bounds:
         cu_seqlens as a list): its rows (ids, positions), how attention reads keys (the cache
         step `kv`, the CP split, or cu_seqlens) and the SP split."""
-        dev = ids.device
-        b = ForwardBatch(positions=None, bounds=bounds, kv=kv)
+        dev, cp, cu, sp = ids.device, None, None, None
         if kv is not None:
-            b.ids, b.positions = ids, kv.positions
+            rows, positions = ids, kv.positions
         elif self.groups.cp_size > 1:
-            b.cp = ContextSplit(bounds, self.groups.cp_group)
-            rows = b.cp.rows.to(dev)
-            b.ids, b.positions = ids.index_select(0, rows), b.cp.positions.to(dev)[rows]
+            cp = ContextSplit(bounds, self.groups.cp_group)
+            mine = cp.rows.to(dev)
+            rows, positions = ids.index_select(0, mine), cp.positions.to(dev)[mine]
         else:
-            b.cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=dev)
-            b.ids, b.positions = ids, positions_of(bounds).to(dev)
+            cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+            rows, positions = ids, positions_of(bounds).to(dev)
         if self.sequence_parallel:
-            b.sp = SequenceSplit(self.groups.tp_group, len(b.ids))
-        return b
+            sp = SequenceSplit(self.groups.tp_group, len(rows))
+        return ForwardBatch(positions, rows, bounds, cu, kv, cp, sp)
 
     def stage_forward(self, h: Optional[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """This stage's part of the forward: embed (first stage; h None) and its layers (which

@@ -56,6 +56,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["invariant", "torch"], default="invariant",
                     help="kernel mode (torch: stock ops, for comparison)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    ap.add_argument("--allowed-weights-dir", default=None, metavar="DIR",
+                    help="/update_weights loads only checkpoints below DIR (symlinks resolved; "
+                    "default: the --hf directory; none for --preset)")
+    ap.add_argument("--weight-sync-timeout", type=float, default=120.0, metavar="S",
+                    help="the longest a weight-update group's rendezvous or one pushed "
+                    "tensor may take (/init_weights_update_group)")
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds running requests may take to finish on shutdown")
     ap.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -97,13 +103,46 @@ def build_model(args, groups):
     return Qwen3MoeForCausalLM(config, dtype=dtype or torch.float32, groups=groups).eval()
 
 
+def weights_dir(args) -> Optional[str]:
+    """The directory disk updates may come from (resolved), or None (disk updates refused)."""
+    d = args.allowed_weights_dir or args.hf
+    return os.path.realpath(d) if d else None
+
+
+def weights_path_check(allowed: Optional[str]):
+    """path -> the resolved checkpoint dir to load, on the HTTP thread before the update
+    queues; WeightsRefused (403 outside `allowed`, 400 not a checkpoint directory)."""
+    from .service import WeightsRefused
+
+    def check(path: str) -> str:
+        if allowed is None:
+            raise WeightsRefused("update_weights: disk updates are off (the server was started "
+                                 "from a preset): start it with --allowed-weights-dir DIR", None,
+                                 403)
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, allowed]) != allowed:
+            raise WeightsRefused(f"update_weights: {path} is outside the directory this server "
+                                 f"loads weights from (--allowed-weights-dir)", None, 403)
+        if not os.path.isdir(real):
+            raise WeightsRefused(f"update_weights: {path} is not a checkpoint directory")
+        names = os.listdir(real)
+        if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+            raise WeightsRefused(f"update_weights: {path} holds no config.json and "
+                                 f"*.safetensors (not an HF checkpoint directory)")
+        return real
+    return check
+
+
 def weight_loader(model):
     """path -> load that checkpoint into `model` (this rank's shards); WeightsRefused, before
-    any weight changes, when the directory or its config does not fit the running model."""
+    any weight changes, when the directory, its files or its config do not fit the model.
+    Messages name the path and the problem, never what the files hold (that goes to `detail`,
+    the server log)."""
     import dataclasses
 
     from tonp_models import Qwen3MoeConfig
-    from tonp_models.qwen3_moe.checkpoint import load_checkpoint
+    from tonp_models.qwen3_moe.checkpoint import (CheckpointMismatch, check_checkpoint,
+                                                  copy_checkpoint)
 
     from .service import WeightsRefused
 
@@ -111,15 +150,25 @@ def weight_loader(model):
         try:
             config = Qwen3MoeConfig.from_hf(path)
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise WeightsRefused(f"update_weights: cannot read a checkpoint config at "
-                                 f"{path!r}: {e}") from None
+            raise WeightsRefused(f"update_weights: cannot read a checkpoint config at {path!r} "
+                                 f"(missing, or not a Qwen3-MoE config.json)", str(e)) from None
         mine = dataclasses.asdict(model.config)
         differ = sorted(k for k, v in dataclasses.asdict(config).items()
                         if k != "torch_dtype" and mine[k] != v)
         if differ:
             raise WeightsRefused(f"update_weights: the checkpoint at {path!r} does not match "
                                  f"the running model: {', '.join(differ)} differ")
-        load_checkpoint(model, path)
+        try:
+            plan = check_checkpoint(model, path)
+        except CheckpointMismatch as e:
+            counts = ", ".join(f"{len(v)} {k}" for k, v in e.problems.items() if v)
+            raise WeightsRefused(f"update_weights: the checkpoint at {path!r} does not match "
+                                 f"the running model's tensors ({counts}; the server log "
+                                 f"names them)", str(e)) from None
+        except (OSError, ValueError) as e:
+            raise WeightsRefused(f"update_weights: the safetensors files at {path!r} cannot be "
+                                 f"read (unreadable, truncated, or ambiguous)", str(e)) from None
+        copy_checkpoint(model, plan)
     return load
 
 
@@ -147,6 +196,7 @@ def _serve_ranks(args, groups) -> None:
     from .security import Security, default_body_limit
     from .service import EngineService
     from .text import TextCodec
+    from .weight_sync import WeightReceiver
 
     if groups is not None and groups.world_size > args.tp * args.ep:
         raise SystemExit(f"tonp_models.serve: {groups.world_size} ranks for tp={args.tp} x "
@@ -159,7 +209,10 @@ def _serve_ranks(args, groups) -> None:
                     max_seq_len=context - 1, prefix_caching=not args.no_prefix_cache,
                     max_step_tokens=args.max_step_tokens, who="serve")
     group = None if groups is None else torch.distributed.group.WORLD
-    service = EngineService(engine, weight_loader(model), mode=args.mode, group=group)
+    service = EngineService(engine, weight_loader(model),
+                            check_weights=weights_path_check(weights_dir(args)),
+                            sync=WeightReceiver(model, group, args.weight_sync_timeout),
+                            mode=args.mode, group=group)
     if groups is not None and groups.rank != 0:
         service.follow()
         return
