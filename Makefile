@@ -28,6 +28,13 @@ demo: $(EXT)
 test: $(EXT)
 	$(PY) -m pytest -q tests
 
+# The suite without the files that spawn gloo ranks for every test (the slowest: TP / EP / PP / CP
+# / SP layouts and the collectives); `make test` runs them.
+MULTI_RANK := collectives context_parallel engine_parallel parallel_model pipeline \
+              pipeline_megatron pipeline_scripts sequence_parallel
+test-fast: $(EXT)
+	$(PY) -m pytest -q tests $(foreach f,$(MULTI_RANK),--ignore=tests/test_$(f).py)
+
 bench: $(EXT)
 	$(PY) benchmarks/run_all.py
 

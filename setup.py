@@ -15,6 +15,21 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-Wall",
              "-Wno-unused-function"]
 
+# The rollout service (tonp_models.serve); tonp's layers as megatron-core specs
+# (tonp_models.megatron, whose modules use einops); the Triton kernels on GPUs (a CUDA torch
+# usually ships triton) and on Ascend NPUs (torch_npu's device, Triton through triton-ascend);
+# TRL's GRPOTrainer on tonp (tonp_models.integrations.trl); the test suite, which runs all.
+EXTRAS = {
+    "serve": ["fastapi>=0.110", "uvicorn>=0.30"],
+    "megatron": ["megatron-core>=0.16,<0.17", "einops>=0.7"],
+    "cuda": ["triton>=3.6"],
+    "npu": ["torch_npu", "triton-ascend"],
+    "trl": ["trl>=1.16,<2"],
+}
+EXTRAS["test"] = EXTRAS["serve"] + EXTRAS["megatron"] + EXTRAS["trl"] + [
+    "pytest>=8", "pytest-timeout>=2.3", "transformers>=5,<6", "tokenizers>=0.20",
+    "triton>=3.9,<4", "openai>=1.40", "httpx>=0.27", "lm-eval[api]>=0.4,<0.5"]
+
 setup(
     name="tonp",
     version="0.1.0",
@@ -32,12 +47,6 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    install_requires=["torch>=2.4", "einops", "numpy", "safetensors", "tqdm"],
-    extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers>=5", "megatron-core"],
-        "megatron": ["megatron-core"],
-        "trl": ["trl>=1.16,<2"],
-        "npu": ["torch_npu"],
-        "cuda": ["apex", "transformer-engine"],
-    },
+    install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm"],
+    extras_require=EXTRAS,
 )

@@ -166,6 +166,17 @@ def fmt_ratio(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality; floating NaNs compared by position (payloads are the device's)."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        na, nb = a.isnan(), b.isnan()
+        return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
+    return torch.equal(a, b)
+
+
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table (cells converted with str)."""
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

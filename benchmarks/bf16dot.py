@@ -1,5 +1,5 @@
 """The bf16 x bf16 linear on this CPU: vdpbf16ps pair chains against fp32 FMAs, and tonp against
-stock torch. Measurements behind docs/performance-training.md's bf16 decision.
+stock torch. Measurements behind the bf16 decision (docs/history/performance-training.md).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bf16dot.py [--repeats 9]
 

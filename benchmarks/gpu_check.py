@@ -15,8 +15,9 @@ failing section is recorded with its error and the run goes on. It writes gpu.js
 (and copies them to $OUT when that folder exists: the device tool brings $OUT back).
 
 --dry-run routes CPU tensors through Triton's interpreter at tiny sizes: every section runs,
-nothing is timed (tests/test_gpu_check.py runs it, so the script cannot rot).
-docs/accelerators-fast.md says what each section verifies and how the targets are measured.
+nothing is timed (tests/test_triton_fast_gpu_check.py runs it, so the script cannot rot).
+docs/accelerators.md ("The GPU check") says what each section verifies and how the targets are
+measured.
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if "--dry-run" in sys.argv:  # before anything imports triton: the kernels are then interpreted
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.modules.setdefault("gpu_check", sys.modules[__name__])  # one NotAvailable when run as main
 
 import torch  # noqa: E402
 
@@ -81,17 +81,6 @@ class Section:
         return {"name": self.name, "status": self.status, "error": self.error,
                 "seconds": round(time.time() - self.start, 2), "checks": self.checks,
                 "metrics": self.metrics, "notes": self.notes}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality; floating NaNs compared by position (payloads are the device's)."""
-    a, b = a.detach().cpu(), b.detach().cpu()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point():
-        na, nb = a.isnan(), b.isnan()
-        return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
-    return torch.equal(a, b)
 
 
 def _alarm(_sig, _frame):

@@ -9,7 +9,7 @@ import copy
 import torch
 
 import tonp_kernels as tk
-from gpu_check import same_bits
+from benchlib import same_bits
 from tonp_kernels.accel import (attention, fast_attention as fa, fast_linear as fl,
                                 fast_moe, linear, moe, rowwise, sample, vocab)
 

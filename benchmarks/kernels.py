@@ -11,7 +11,7 @@ Prints a markdown table and writes benchmarks/results/kernels.md and kernels.jso
     the L3 cache, as a model's layers do;
   * attention prefill (one causal sequence) and decode (one query per sequence against a paged
     cache) against torch SDPA.
-Each row says whether the issue's target is met (issue 2): at M >= 512 tonp fp32 >= 70% and tonp
+Each row says whether the kernel target is met: at M >= 512 tonp fp32 >= 70% and tonp
 bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
 decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
 (fewer for slow calls, up to 300 for calls under a fifth of a millisecond). From M = 8 the torch

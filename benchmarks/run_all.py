@@ -8,10 +8,10 @@
 Writes benchmarks/results/latest.{md,json,png} (--quick: latest_quick.*): the machine's limits
 (roofline.py), rollout and training throughput of tonp "invariant", tonp "torch" mode and
 transformers for each model and dtype (model_bench.py), every comparison as a ratio measured side
-by side in this run, each tonp figure as a fraction of the bound that limits it, the targets of
-issue 7 (met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
+by side in this run, each tonp figure as a fraction of the bound that limits it, the targets
+(met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
 the kernel (kernels.py), collective (collectives.py), rollout-service (serve_bench.py) and
-pipeline / context parallelism (parallel_bench.py) and training-speed (train_bench.py, issue 20)
+pipeline / context parallelism (parallel_bench.py) and training-speed (train_bench.py)
 tables, run as subprocesses.
 """
 from __future__ import annotations
@@ -162,7 +162,7 @@ def markdown(meta, machine, cases, runs, store, extra) -> str:
     warn = busy_warning(meta)
     if warn:
         out += [warn, ""]
-    out += ["## Targets (issue 7)", ""]
+    out += ["## Targets", ""]
     rows = [[t["target"], t["case"], t["dtype"], LABELS[t["metric"]], t["measured"],
              "met" if t["met"] else "**NOT met**"] for t in store.get("targets", [])]
     if not rows:
@@ -310,7 +310,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-parallel", action="store_true",
                     help="skip parallel_bench.py (PP / CP against PP 1 / CP 1)")
     ap.add_argument("--skip-train", action="store_true",
-                    help="skip train_bench.py (issue 20: training step vs forward and torch)")
+                    help="skip train_bench.py (training step vs forward and torch)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
                     help="rebuild the report of a stored run (e.g. benchmarks/results/latest.json)"
                          ", re-measuring only the machine's limits (best of stored and new)")

@@ -108,7 +108,7 @@ def report(meta: dict, case: str, res: dict) -> str:
         ["fp32 training >= 40% of the compute bound", f"{f['train_pct_of_bound']:.0f}%",
          status(f["train_pct_of_bound"] >= 40)]])
     return "\n".join([
-        f"# Training speed (issue 20), {meta['date']}", "",
+        f"# Training speed, {meta['date']}", "",
         f"{meta['cpu']}, kernel table **{isa}** (flags: {' '.join(meta['cpu_flags'])}), "
         f"{meta['threads']} threads, torch {meta['torch']}; load average {meta['load_before']:.1f} "
         "before. Every ratio is between calls measured round-robin in this one process (median "

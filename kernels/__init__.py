@@ -9,12 +9,12 @@
         y_fast = tk.linear(x.cuda(), w.cuda())
     tk.isa()                                 # "avx512bf16", "avx2" or "portable": the table in use
 
-docs/CONTRACT.md is the numerics contract, docs/kernels.md how the package meets it,
-docs/accelerators.md the Triton kernels;
-`tonp_kernels.reference` holds the torch oracles.
+docs/CONTRACT.md is the numerics contract, docs/kernels.md how the package meets it and how a
+call is routed on each device (from the op table, `tonp_kernels.table`), docs/accelerators.md
+the Triton kernels; `tonp_kernels.reference` holds the torch oracles.
 """
-from ._checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
-from ._library import isa
+from ._arg_checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
+from ._library import FLOAT_DTYPES, MAX_CHUNKS, isa
 from ._mode import BACKENDS, MODES, NUMERICS, get_backend, get_mode, get_numerics, use
 from .ops import (DEFAULT_CHUNKS, attention_paged, attention_varlen, linear, linear_partial,
                   moe_combine, moe_experts, moe_route, rms_norm, rope, silu_mul, tree_sum)
@@ -23,7 +23,7 @@ from .vocab import (argmax, log_softmax, logsumexp, lse_finish, lse_partial, max
 from . import reference  # noqa: F401
 
 __all__ = [
-    "use", "get_mode", "get_numerics", "get_backend", "MODES", "NUMERICS", "BACKENDS", "isa", "reference", "check_temperature", "MIN_TEMPERATURE",
+    "use", "get_mode", "get_numerics", "get_backend", "MODES", "NUMERICS", "BACKENDS", "isa", "MAX_CHUNKS", "FLOAT_DTYPES", "reference", "check_temperature", "MIN_TEMPERATURE",
     "MAX_TEMPERATURE", "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm",
     "silu_mul", "attention_varlen", "attention_paged", "rope", "logsumexp", "lse_partial",
     "lse_finish", "log_softmax", "token_logprobs", "target_logit", "argmax", "max_with_index",

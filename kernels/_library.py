@@ -1,7 +1,9 @@
 """Loads the C++ extension, which defines `torch.ops.tonp.*` with its CPU kernels and C++
-autograd (csrc/), then registers the ops' fake implementations (_register.py) and their Triton
-kernels for CUDA / NPU tensors (_accel.py). Without a build
-only the "torch" mode works; every invariant op raises ImportError saying how to build."""
+autograd (csrc/), then registers the ops' fake kernels and their CUDA / NPU kernels from the op
+table (_register.py). Also the constants the C++ side owns, read from it once: MAX_CHUNKS (the
+most reduction chunks a linear may use, kernels.h) and FLOAT_DTYPES (the float dtypes the
+kernels take). Without a build only the "torch" mode works; every invariant op raises
+ImportError saying how to build."""
 from __future__ import annotations
 
 import torch
@@ -36,5 +38,9 @@ def isa() -> str:
     return torch.ops.tonp.isa()
 
 
-if C is not None:  # registrations need the ops defined by the extension
-    from . import _accel, _register  # noqa: F401  (fake kernels; Triton kernels for CUDA / NPU)
+if C is not None:
+    MAX_CHUNKS: int = torch.ops.tonp.max_chunks()
+    FLOAT_DTYPES: tuple = tuple(getattr(torch, name) for name in torch.ops.tonp.float_dtypes())
+    from . import _register  # noqa: F401,E402  (registrations need the ops the extension defines)
+else:  # the stock ops' checks still need them; the build is what `require_built` asks for
+    MAX_CHUNKS, FLOAT_DTYPES = 64, (torch.float32, torch.bfloat16)

@@ -1,156 +1,88 @@
-"""Fake (meta) registrations for torch.ops.tonp.* (imported once the extension is loaded), so
-torch.compile and meta tensors see shapes and dtypes. Autograd is C++ (csrc/autograd.cpp):
-forward = the invariant kernel; backward = the *_backward / *_grad ops below (gradients need to
-be correct, not invariant, and are deterministic)."""
+"""Every Python registration of the tonp ops, from the op table (table.py); imported once the C++
+extension has defined the ops (their schemas, CPU kernels and C++ autograd: csrc/).
+
+* Fake kernels (_fakes.py) for every op with tensors: meta tensors and torch.compile.
+* CUDA and NPU (torch_npu's PrivateUse1) kernels, below the same C++ autograd as the CPU ones:
+  - an op with a Triton forward kernel (`exact`): `accel.registry.kernel(op)`, the exact or
+    the fast kernel of the calling context's numerics (Triton is imported at the first call);
+  - a backward op on "device_grads": device_grads.py's torch math;
+  - the experts' training ops (`device` an accel module): grouped Triton work where Triton runs
+    on the device (moe_experts_train: the context's moe_experts kernel handing back its gate_up
+    rows; the gradients: accel/moe_grad.py), device_grads.py's per-expert loop where it does not
+    (an NPU without triton-ascend).
+"""
 from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from typing import Callable, Dict
 
 import torch
 
-_lib = "tonp::"
+from . import _fakes, device_grads
+from .table import OPS, TOOLS
+
+_KEYS = ("CUDA", "PrivateUse1")
 
 
-@torch.library.register_fake(_lib + "linear")
-def _(x, weight, bias, chunks, out_dtype):
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+@functools.lru_cache(maxsize=None)
+def _triton_runs_on(device_type: str) -> bool:
+    """NVIDIA / AMD GPUs: Triton's own backends. Ascend NPUs: the triton-ascend backend."""
+    if device_type != "npu":
+        return True
+    try:
+        importlib.metadata.distribution("triton-ascend")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
-@torch.library.register_fake(_lib + "rms_norm")
-def _(x, weight, eps):
-    return torch.empty_like(x)
+def _device(args) -> torch.device:
+    return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
-@torch.library.register_fake(_lib + "silu_mul")
-def _(gate, up):
-    return torch.empty_like(gate)
+def _triton_kernel(op: str) -> Callable:
+    def run(*args):
+        from .accel import registry
+        dev = _device(args)
+        if not _triton_runs_on(dev.type):
+            raise NotImplementedError(f"tonp.{op}: {dev.type} tensors need the triton-ascend "
+                                      "package for tonp's Triton kernels (not installed)")
+        return registry.kernel(op)(*args)
+    run.__name__ = f"{op}_triton"
+    return run
 
 
-@torch.library.register_fake(_lib + "attention_varlen")
-def _(q, k, v, cu_seqlens, scale, block):
-    return torch.empty_like(q)
+def _grouped(op: str, module: str) -> Callable:
+    """accel.<module>.<op> where Triton runs on the device; device_grads.<op> where it does not."""
+    def run(*args):
+        if _triton_runs_on(_device(args).type):
+            return getattr(importlib.import_module(f"{__package__}.accel.{module}"), op)(*args)
+        return getattr(device_grads, op)(*args)
+    run.__name__ = f"{op}_triton"
+    return run
 
 
-@torch.library.register_fake(_lib + "attention_paged")
-def _(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
-    return torch.empty_like(q)
+def device_kernel(op: str) -> Callable:
+    """The CUDA / NPU kernel the table gives `op`."""
+    row = next(o for o in OPS if o.name == op)
+    if row.exact:
+        return _triton_kernel(op)
+    if row.device == "device_grads":
+        return getattr(device_grads, op)
+    return _grouped(op, row.device)
 
 
-@torch.library.register_fake(_lib + "lse_partial")
-def _(logits, temperature, chunks):
-    m = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-    return m, torch.empty_like(m)
-
-
-@torch.library.register_fake(_lib + "lse_finish")
-def _(maxes, sums):
-    return maxes.new_empty(maxes.shape[1:])
-
-
-@torch.library.register_fake(_lib + "max_with_index")
-def _(logits):
-    v = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-    return v, logits.new_empty(logits.shape[:-1], dtype=torch.int64)
-
-
-@torch.library.register_fake(_lib + "argmax")
-def _(logits):
-    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
-
-
-@torch.library.register_fake(_lib + "token_logprobs")
-def _(logits, targets, temperature, chunks):
-    return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.register_fake(_lib + "sample")
-def _(logits, temperature, top_k, top_p, seed, request_ids, positions):
-    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
-
-
-@torch.library.register_fake(_lib + "moe_route")
-def _(logits, top_k, normalize):
-    shape = (logits.shape[0], top_k)
-    return (logits.new_empty(shape, dtype=torch.int64),
-            logits.new_empty(shape, dtype=torch.float32))
-
-
-@torch.library.register_fake(_lib + "moe_combine")
-def _(weights, expert_out):
-    return expert_out.new_empty((expert_out.shape[0], expert_out.shape[2]))
-
-
-@torch.library.register_fake(_lib + "moe_experts")
-def _(x, expert_ids, gate_up, down, first_expert, chunks):
-    return x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1]))
-
-
-@torch.library.register_fake(_lib + "moe_experts_backward")
-def _(grad, x, expert_ids, gate_up, down, first_expert, output_mask):
-    return tuple(torch.empty_like(t) if want else t.new_empty(0)
-                 for t, want in zip((x, gate_up, down), output_mask))
-
-
-@torch.library.register_fake(_lib + "moe_experts_train")
-def _(x, expert_ids, gate_up, down, first_expert, chunks):
-    R = x.shape[0] * expert_ids.shape[1]
-    return (x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1])),
-            x.new_empty((R, gate_up.shape[1])))
-
-
-@torch.library.register_fake(_lib + "moe_experts_grad")
-def _(grad, x, expert_ids, gate_up, down, gate_up_out, first_expert, chunks, output_mask):
-    return tuple(torch.empty_like(t) if want else t.new_empty(0)
-                 for t, want in zip((x, gate_up, down), output_mask))
-
-
-@torch.library.register_fake(_lib + "linear_backward")
-def _(grad, x, weight, output_mask, bias_dtype):
-    return (torch.empty_like(x) if output_mask[0] else x.new_empty(0),
-            torch.empty_like(weight) if output_mask[1] else weight.new_empty(0),
-            grad.new_empty(grad.shape[1], dtype=bias_dtype or grad.dtype) if output_mask[2]
-            else grad.new_empty(0))
-
-
-@torch.library.register_fake(_lib + "rms_norm_backward")
-def _(grad, x, weight, eps, output_mask):
-    return tuple(torch.empty_like(t) if want else t.new_empty(0)
-                 for t, want in zip((x, weight), output_mask))
-
-
-@torch.library.register_fake(_lib + "silu_mul_backward")
-def _(grad, gate, up):
-    return torch.empty_like(gate), torch.empty_like(up)
-
-
-@torch.library.register_fake(_lib + "rope_backward")
-def _(grad, cos, sin, positions, dtype):
-    return grad.new_empty(grad.shape, dtype=dtype)
-
-
-@torch.library.register_fake(_lib + "moe_route_backward")
-def _(grad_weights, router_logits, expert_ids, weights, normalize):
-    return torch.empty_like(router_logits)
-
-
-@torch.library.register_fake(_lib + "moe_combine_backward")
-def _(grad, weights, expert_out, output_mask):
-    return tuple(torch.empty_like(t) if want else t.new_empty(0)
-                 for t, want in zip((weights, expert_out), output_mask))
-
-
-@torch.library.register_fake(_lib + "embedding_backward")
-def _(grad, ids, num_rows):
-    return grad.new_empty((num_rows, grad.shape[-1]))
-
-
-@torch.library.register_fake(_lib + "rope")
-def _(x, cos, sin, positions):
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake(_lib + "attention_varlen_backward")
-def _(grad, q, k, v, out, cu_seqlens, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-# Autograd: every differentiable op has C++ autograd (csrc/autograd.cpp), whose backward calls
-# the *_backward / *_grad ops registered above.
+_LIB = torch.library.Library("tonp", "IMPL")  # kept alive: dropping it unregisters
+DEVICE_KERNELS: Dict[str, Callable] = {o.name: device_kernel(o.name) for o in OPS
+                                       if o.exact or o.device}
+for _o in OPS:
+    if not _o.schema or _o.name in TOOLS:
+        continue
+    _name = f"tonp::{_o.name}"
+    torch.library.register_fake(_name, getattr(_fakes, _o.name))
+    for _key in _KEYS:  # once per process, even if this file is imported under a second name
+        if _o.name in DEVICE_KERNELS and \
+                not torch._C._dispatch_has_kernel_for_dispatch_key(_name, _key):
+            _LIB.impl(_o.name, DEVICE_KERNELS[_o.name], _key)

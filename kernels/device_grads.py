@@ -2,8 +2,8 @@
 
 The C++ backward ops (csrc/grad_kernels.cpp, moe_backward.cpp, attention_grad.cpp) run on CPU
 tensors only. These functions have the same schemas and output semantics (dtypes, shapes, empty
-outputs where output_mask says not wanted) and are registered by _accel.py as the ops' CUDA and
-PrivateUse1 kernels, so the C++ autograd above them runs on accelerator tensors too. The experts'
+outputs where output_mask says not wanted) and are registered by _register.py (from the op
+table) as the ops' CUDA and PrivateUse1 kernels, so the C++ autograd above them runs on accelerator tensors too. The experts'
 gradients run as grouped Triton GEMMs (accel/moe_grad.py) wherever Triton runs on the device;
 moe_experts_grad here is their fallback (an NPU without triton-ascend) and their reference.
 Gradients are correct (fp32 sums, the C++ ops' roundings), not order-locked (CONTRACT.md

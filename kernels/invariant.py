@@ -1,7 +1,8 @@
 """The invariant backend: the tonp ops (`torch.ops.tonp.*`) behind the public ops; signatures
-mirror stock.py. The dispatcher picks each op's kernel by device: the C++ kernels (csrc/) for CPU
-tensors, the Triton kernels (accel/, registered by _accel.py) for CUDA / NPU tensors, and CPU
-tensors routed through Triton's interpreter under `use(..., backend="triton")`. The ops check
+mirror stock.py (the op table, table.py, lists both). The C++ dispatcher picks each op's kernel by
+device: the C++ kernels (csrc/) for CPU tensors, the Triton kernels (accel/, registered by
+_register.py) for CUDA / NPU tensors; under `use(..., backend="triton")` CPU tensors go through
+Triton's interpreter (_interpreted.py). The ops check
 their tensors; Python checks only what a reshape here needs, and the composites (lse + gather)
 whose kernels would name another op. Every op handle is called directly: autograd is registered
 in C++ for every device, so a call without gradients costs one dispatcher hop, never
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-from . import _checks as check, _opchecks as opcheck
+from . import _arg_checks as check, _op_checks as opcheck
 from ._library import op
 from .stock import gather_logit, target_logit  # noqa: F401  (one gather, one division: as stock)
 
@@ -49,10 +50,6 @@ def moe_combine(weights, expert_out):
         check.floats(weights, op="moe_combine", name="weights", dims=2, layout="[M, K]")
         weights = weights.float()
     return _MOE_COMBINE(weights, expert_out)
-
-
-def moe_experts(x, expert_ids, gate_up, down, first_expert, chunks):
-    return _MOE_EXPERTS(x, expert_ids, gate_up, down, first_expert, chunks)
 
 
 # --- vocabulary reductions ---------------------------------------------------------------------

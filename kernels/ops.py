@@ -1,7 +1,7 @@
 """Public tonp ops: linear and the chunk tree, normalisation, attention, RoPE, MoE (vocabulary
 reductions and sampling: vocab.py). Each checks its scalar arguments, then runs what
 `_dispatch.impl` picks for the mode and the devices; that backend checks the tensors (C++ for
-CPU, _opchecks.py otherwise). docs/kernels.md tells how they work.
+CPU, _op_checks.py otherwise). docs/kernels.md tells how they work.
 
 Shapes use: M rows (tokens), K reduction, N outputs, H hidden, T packed tokens, S sequences,
 Hq/Hkv query/key-value heads, D head_dim, P pages, B block (= page) size, E experts.
@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _checks as check
+from . import _arg_checks as check
 from ._dispatch import impl
 
 DEFAULT_CHUNKS = 8

@@ -1,14 +1,14 @@
 """The "torch" kernel mode: every op as stock PyTorch computes it (F.linear, SDPA, torch.softmax,
 torch.topk, ...), in the input dtype. These are what tonp is measured against; they are correct
 but their reduction order depends on the batch, the thread count and the code path. Each op
-first checks its tensors by the rules of its C++ twin (_opchecks.py), so both modes refuse the
+first checks its tensors by the rules of its C++ twin (_op_checks.py), so both modes refuse the
 same input alike; `chunks` and `block` are checked, then ignored (None skips the check)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import _checks as check, _opchecks as opcheck
+from . import _arg_checks as check, _op_checks as opcheck
 
 
 def linear(x, weight, bias=None, chunks=None, out_dtype=None):

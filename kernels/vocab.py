@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from . import _checks as check
-from ._checks import check_temperature
+from . import _arg_checks as check
+from ._arg_checks import check_temperature
 from ._dispatch import impl
 from .ops import DEFAULT_CHUNKS
 

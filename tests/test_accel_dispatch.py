@@ -1,6 +1,6 @@
 """Dispatch by device and numerics: `tk.use(mode, numerics=, backend=)` per context, the Triton
 kernels behind torch.ops.tonp for CUDA / NPU tensors, CPU tensors routed through them under the
-interpreter, fast kernels found by name, and clear errors for what cannot run.
+interpreter, fast kernels named by the op table, and clear errors for what cannot run.
 
 The public vocabulary ops through the Triton route (logsumexp, log_softmax, token_logprobs with
 and without gradients, argmax) give the C++ bits: both sides finish with tonp's explicit log.
@@ -17,7 +17,7 @@ import torch
 
 import tonp_kernels as tk
 from conftest import assert_bitwise, randn
-from tonp_kernels import _accel
+from tonp_kernels import _register
 from triton_interpreted import _launch, registry
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -48,7 +48,7 @@ def test_every_op_has_a_triton_kernel_for_cuda_and_npu_tensors():
     # The function registered for CUDA runs the registry's kernel: here on CPU tensors, through
     # the interpreter, with the C++ bits (the GPU runs the same function, compiled).
     x, w = randn(5, 40), randn(24, 40)
-    got = _accel._device_kernel("linear")(x, w, None, 8, None)
+    got = _register.DEVICE_KERNELS["linear"](x, w, None, 8, None)
     assert_bitwise(got, torch.ops.tonp.linear(x, w, None, 8, None), "CUDA kernel on CPU")
 
 
@@ -96,9 +96,10 @@ def test_vocab_ops_end_to_end_with_the_explicit_log(dtype, gen):
         tk.argmax(x)
 
 
-def test_fast_kernels_plug_in_by_name(tmp_path, monkeypatch, gen):
-    """A function named after an op in a fast_*.py module of tonp_kernels.accel serves that op
-    under numerics="fast"; ops without one (and exact numerics) run the exact kernels."""
+def test_a_fast_kernel_plugs_in_through_the_table(tmp_path, monkeypatch, gen):
+    """The op table's `fast` column names the module of tonp_kernels.accel whose function of the
+    op's name serves it under numerics="fast"; ops without one (and exact numerics) run the
+    exact kernels."""
     import tonp_kernels.accel as accel
     (tmp_path / "fast_probe.py").write_text(
         "import torch\n"
@@ -107,7 +108,8 @@ def test_fast_kernels_plug_in_by_name(tmp_path, monkeypatch, gen):
         "    calls.append(tuple(x.shape))\n"
         "    return torch.zeros_like(x)\n")
     monkeypatch.setattr(accel, "__path__", list(accel.__path__) + [str(tmp_path)])
-    monkeypatch.setattr(registry, "_fast", None)
+    monkeypatch.setitem(registry.FAST, "rms_norm", "fast_probe")
+    monkeypatch.setattr(registry, "_fast", {})
     x, w = randn(3, 32, gen=gen), randn(32, gen=gen)
     with tk.use("invariant", numerics="fast", backend="triton"):
         assert torch.equal(tk.rms_norm(x, w, 1e-6), torch.zeros_like(x))
@@ -117,7 +119,6 @@ def test_fast_kernels_plug_in_by_name(tmp_path, monkeypatch, gen):
     assert sys.modules["tonp_kernels.accel.fast_probe"].calls == [(3, 32)]
     assert set(registry.fast_kernels()) == {"rms_norm", "linear", "attention_varlen",
                                             "attention_paged", "moe_experts"}
-    monkeypatch.setattr(registry, "_fast", None)
 
 
 def test_numerics_fast_routes_to_the_fast_kernels(gen):
@@ -143,7 +144,7 @@ def test_what_cannot_run_is_refused_clearly(monkeypatch):
         tk.linear(x, torch.empty(4, 8, device="meta"))
     with pytest.raises(RuntimeError, match="tensors on several devices: cpu, meta"):
         tk.linear(torch.zeros(2, 8), torch.empty(4, 8, device="meta"))
-    assert not _accel._triton_runs_on("npu"), "triton-ascend is not installed here"
+    assert not _register._triton_runs_on("npu"), "triton-ascend is not installed here"
     monkeypatch.setattr(_launch, "INTERPRETED", False)  # as if the kernels were compiled
     with tk.use("invariant", backend="triton"), pytest.raises(RuntimeError,
                                                                match="TRITON_INTERPRET=1"):

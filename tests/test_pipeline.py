@@ -139,7 +139,7 @@ def test_stage_layers_and_micro_batches():
 
 def test_rank_layout_is_megatrons():
     """tp-cp-ep-dp-pp: every group equals megatron-core's RankGenerator's."""
-    ps = pytest.importorskip("megatron.core.parallel_state")
+    from megatron.core import parallel_state as ps
     import tonp_parallel as tpar
     for W, tp, ep, pp, cp in [(8, 2, 2, 2, 1), (8, 1, 2, 2, 2), (16, 2, 4, 2, 2), (8, 2, 1, 2, 2),
                               (16, 1, 4, 4, 1)]:

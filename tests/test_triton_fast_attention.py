@@ -126,7 +126,7 @@ def test_other_blocks_and_stock_torch_break_it(gen):
 
 
 def test_bad_inputs_raise_clear_errors(gen):
-    """The shared argument rules (_opchecks), and the paged kernel's own: contiguous caches."""
+    """The shared argument rules (_op_checks), and the paged kernel's own: contiguous caches."""
     q, k, v, cu = _packed(4, 2, 16, torch.float32, gen)
     kc, vc, table = _paged_cache(k, v, cu, torch.float32, gen)
     one, zero = torch.tensor([0]), torch.tensor([0])

@@ -3,7 +3,7 @@ the C++ path's bits: the training forward (fp32 and bf16), token_logprobs with g
 sampled generate over the paged cache, whose logprobs the training forward reproduces.
 
 This is the code path a GPU runs: the model's tonp ops go through torch.ops.tonp, whose kernel
-for CUDA / NPU tensors is the same registry of Triton kernels (tonp_kernels/_accel.py);
+for CUDA / NPU tensors is the same registry of Triton kernels (tonp_kernels/_register.py);
 registry.CALLS shows which ops ran there. Kept small (2 layers, a few tokens): the interpreter
 runs every program in Python. Twin: stock torch (`use("torch")`) gives other bits.
 """

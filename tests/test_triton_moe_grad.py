@@ -13,7 +13,7 @@ import torch
 from conftest import assert_bitwise, randn
 from test_device_grads import MASKS3, _autograd64, _ep_share, _experts, _near64, agree
 from triton_interpreted import _launch  # noqa: F401  (the kernels imported interpreted)
-from tonp_kernels import _accel, device_grads as dg, reference
+from tonp_kernels import _register, device_grads as dg, reference
 from tonp_kernels.accel import moe, moe_grad
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -66,17 +66,16 @@ def test_against_float64_autograd(gen):
 
 
 def test_the_device_kernel_is_the_grouped_one(gen, monkeypatch):
-    """_accel's CUDA / NPU kernel of the op runs moe_grad where Triton runs (here: the
+    """_register's CUDA / NPU kernel of the op runs moe_grad where Triton runs (here: the
     interpreter on CPU tensors), device_grads' loop where it does not (an NPU without
     triton-ascend, simulated)."""
     x, ids, gu, dn, g = _experts(torch.float32, gen)
     args = (g, x, ids, gu, dn, None, 0, 8, [True] * 3)
-    assert_bitwise(_accel._GROUPED["moe_experts_grad"](*args), moe_grad.moe_experts_grad(*args),
-                   "registered kernel")
-    assert _accel._grouped("moe_experts_grad").__name__ == "moe_experts_grad_triton"
-    monkeypatch.setattr(_accel, "_triton_runs_on", lambda device_type: False)
-    assert_bitwise(_accel._GROUPED["moe_experts_grad"](*args), dg.moe_experts_grad(*args),
-                   "fallback")
+    kernel = _register.DEVICE_KERNELS["moe_experts_grad"]
+    assert_bitwise(kernel(*args), moe_grad.moe_experts_grad(*args), "registered kernel")
+    assert kernel.__name__ == "moe_experts_grad_triton"
+    monkeypatch.setattr(_register, "_triton_runs_on", lambda device_type: False)
+    assert_bitwise(kernel(*args), dg.moe_experts_grad(*args), "fallback")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,7 +86,7 @@ def test_moe_experts_train_hands_back_the_forwards_own_rows(dtype, gen):
     import tonp_kernels as tk
     from tonp_kernels.accel import fast_moe
     for what, ((x, ids, gu, dn, _), first) in _cases(dtype, gen).items():
-        train = _accel._GROUPED["moe_experts_train"]
+        train = _register.DEVICE_KERNELS["moe_experts_train"]
         assert_bitwise(train(x, ids, gu, dn, first, 8),
                        torch.ops.tonp.moe_experts_train(x, ids, gu, dn, first, 8), f"exact {what}")
         with tk.use("invariant", numerics="fast"):

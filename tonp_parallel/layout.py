@@ -16,8 +16,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import tonp_kernels as tk
 
-# The most reduction chunks a kernel takes (kMaxChunks in kernels/csrc/kernels.h).
-MAX_CHUNKS = 64
+# The most reduction chunks a kernel takes (the C++ side's kMaxChunks, read from the extension).
+MAX_CHUNKS = tk.MAX_CHUNKS
 # The attention kernels' lane width: head_dim must be a multiple of it.
 HEAD_DIM_MULTIPLE = 8
 # The vocabulary's chunk tree (token_logprobs, the vocab-parallel LM head) is always this wide.

@@ -1,8 +1,11 @@
-"""tonp_kernels.accel: the ops of tonp_kernels as Triton kernels, for GPUs (and, through Triton's
-interpreter with TRITON_INTERPRET=1 set before the kernels are imported, for CPU tensors).
+"""tonp_kernels.accel: the tonp ops as Triton kernels, for CUDA / NPU tensors (and, through
+Triton's interpreter with TRITON_INTERPRET=1 set before the kernels are imported, for CPU
+tensors).
 
-`exact` numerics (this package today): each output performs the C++ kernel's fp32 operation
-sequence, so its bits equal the CPU's (docs/accelerators.md). The kernels live in the submodules
-(linear, moe, rowwise, attention, vocab; numerics holds the shared exp, log and trees); importing
-this package alone decorates none of them.
+Two numerics (docs/accelerators.md): `exact`, every output performing the C++ kernel's fp32
+operation sequence (the CPU's bits), for every op with a Triton kernel; `fast`, tensor-core
+kernels for linear, attention and the MoE experts (the fast_* modules; the other ops keep their
+exact kernel). Which module serves which op is the op table's (tonp_kernels/table.py), looked up
+by `registry.kernel`; numerics holds the shared exp, log and trees. Importing this package alone
+decorates none of the kernels.
 """

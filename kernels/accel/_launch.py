@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import triton
 
+from .._library import FLOAT_DTYPES as FLOATS
+
 # The kernels of this package are interpreted when TRITON_INTERPRET=1 was set before import
 # (triton.jit reads it when it decorates them), and then run on CPU tensors.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-FLOATS = (torch.float32, torch.bfloat16)
 
 
 def float_dtype(t: torch.Tensor | torch.dtype, op: str, what: str) -> bool:

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import _launch
+from .._library import FLOAT_DTYPES
 
 _PTR = {torch.float32: "*fp32", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32",
         torch.int64: "*i64"}
@@ -36,7 +37,7 @@ def record_launches() -> list:
     _launch.recorder = calls = []
     try:
         g = torch.Generator().manual_seed(0)
-        for dt in (torch.float32, torch.bfloat16):
+        for dt in FLOAT_DTYPES:
             x = torch.randn(3, 32, generator=g).to(dt)
             for pairs in (False, True):  # bf16 x bf16: FMA lanes or the pair chains
                 linear.linear(x, torch.randn(16, 32).to(dt), torch.randn(16), 2, pairs=pairs)

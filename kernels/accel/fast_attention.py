@@ -1,6 +1,6 @@
 """Fast causal attention on tensor cores (FlashAttention-style), packed sequences and a paged cache.
 
-The arithmetic of a query row (a query position t and one query head; docs/accelerators-fast.md):
+The arithmetic of a query row (a query position t and one query head; docs/accelerators.md):
 keys in blocks of B positions aligned to position 0 of its sequence (B = the page size), in
 order; per block the scores s = (q . k) * scale * log2(e) by one tensor-core dot over head_dim,
 keys after t selected to -inf; the block max m_new = max(m, max s); alpha = 1 when the max did
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _opchecks as opcheck
+from .. import _op_checks as opcheck
 from . import numerics as nm
 from ._launch import check_device
 from .fast_common import INTERP, dot, dot_dtype, launch, pow2, to_out

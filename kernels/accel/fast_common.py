@@ -1,7 +1,7 @@
 """What the `fast` kernels share: the launch (real bf16 tensors for the tensor cores, fp fusion
 off, the compile check's recorder), the dot-operand rule, and the grid-filling target.
 
-The fast kernels keep the contract's promises within one device model (docs/accelerators-fast.md):
+The fast kernels keep the contract's promises within one device model (docs/accelerators.md):
 their tile configurations come from the weight's shape and dtype only, never from the rows.
 """
 from __future__ import annotations

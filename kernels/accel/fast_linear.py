@@ -1,6 +1,6 @@
 """Fast linear: tensor-core matmuls (tl.dot, bf16 in, fp32 accumulate) with the chunk tree.
 
-The arithmetic of an output y[m, n] (docs/accelerators-fast.md): K is cut into C chunks of
+The arithmetic of an output y[m, n] (docs/accelerators.md): K is cut into C chunks of
 kc = K / C; chunk c's partial is a fresh fp32 accumulator through the BK-wide tl.dot steps of
 [c * kc, (c + 1) * kc) in order (the last step masked when BK does not divide kc); the C partials
 are combined by the contract's pairwise tree; + bias in fp32; one rounding. The tile config
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _opchecks as opcheck
+from .. import _op_checks as opcheck
 from ._launch import check_device
 from .fast_common import INTERP, TARGET_PROGRAMS, dot, dot_dtype, launch, pow2, to_out
 

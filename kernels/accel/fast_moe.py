@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _opchecks as opcheck
+from .. import _op_checks as opcheck
 from ._launch import check_device
 from .fast_linear import launch_fast_linear, linear_config
 from .moe import _expert_tiles

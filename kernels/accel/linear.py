@@ -27,8 +27,7 @@ import triton.language as tl
 
 from . import numerics as nm
 from ._launch import INTERPRETED, check_device, float_dtype, launch, pow2
-
-MAX_CHUNKS = 64  # as kernels.h kMaxChunks: the chunk tree keeps six pending levels
+from .._library import MAX_CHUNKS  # the chunk tree keeps six pending levels (kernels.h)
 # bf16 x bf16 linears run the pair chains (CONTRACT.md; csrc/bf16dot.h), as every C++ build
 # does; pairs=False (the fp32 FMA lanes) exists for the tests' twins.
 PAIR_CHAINS = True

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import numerics as nm
+from . import numerics as nm, registry
 from ._launch import check_device, float_dtype, launch, pow2
 from .linear import check_chunks, launch_linear, tiles_for
 from .rowwise import silu_mul_rows
@@ -147,3 +147,10 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     launch_linear(h, down.contiguous(), None, ys, chunks, tiles, H * I, None, pairs)
     y.view(R, H)[order] = ys
     return (y, gu) if gate_up_rows else y
+
+
+def moe_experts_train(x, expert_ids, gate_up, down, first_expert, chunks):
+    """(y, gate_up rows): the context's moe_experts kernel (exact or fast) handing back the
+    grouped gate_up rows it computed: y has the forward's bits, the rows cost nothing more."""
+    return registry.kernel("moe_experts")(x, expert_ids, gate_up, down, first_expert, chunks,
+                                          gate_up_rows=True)

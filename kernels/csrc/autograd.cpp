@@ -4,7 +4,7 @@
 //
 // Forward = the invariant kernel (redispatched below autograd, so fake tensors and tracing see
 // the op itself). Backward = an op of its own per op (tonp::*_backward, *_grad: grad_kernels.cpp,
-// moe_backward.cpp, attention_grad.cpp; fake impls in _register.py): standard math with fp32 sums,
+// moe_backward.cpp, attention_grad.cpp; fake impls in _fakes.py): standard math with fp32 sums,
 // in the input dtypes, in fixed orders (gradients need to be correct, not invariant: CONTRACT.md;
 // and deterministic for any thread count).
 #include <ATen/ATen.h>

@@ -1,9 +1,10 @@
 // Operator schemas of the tonp library (torch.ops.tonp.*). CPU implementations live in ops.cpp
 // and moe_ops.cpp, autograd in autograd.cpp; fake (meta) implementations are registered from
-// Python (kernels/_register.py).
+// Python (kernels/_fakes.py, registered from the op table by kernels/_register.py).
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #include "ops_common.h"
 
@@ -30,6 +31,10 @@ TORCH_LIBRARY(tonp, m) {
   // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
   // (TONP_FORCE_PORTABLE=1, or no AVX2).
   m.def("isa() -> str", [] { return std::string(tonp::K()->name); });
+  // The constants the Python side imports (tonp_kernels._library), defined here once: the most
+  // reduction chunks a linear may use (kernels.h) and the float dtypes the kernels take (elem_of).
+  m.def("max_chunks() -> int", [] { return static_cast<int64_t>(tonp::kMaxChunks); });
+  m.def("float_dtypes() -> str[]", [] { return std::vector<std::string>{"float32", "bfloat16"}; });
 }
 
 // A Python module named tonp_kernels._C so that `import tonp_kernels._C` loads the library.

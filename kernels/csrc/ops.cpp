@@ -127,7 +127,7 @@ at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
 }
 
 // q [T, Hq, D] and k, v of kv_layout (kv_dims dims, ..., Hkv, D), one float dtype: the rules of
-// _opchecks._attention, in the same order.
+// _op_checks._attention, in the same order.
 void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op, int64_t kv_dims,
                      const char* kv_layout) {
   elem_of(q, op, "q");

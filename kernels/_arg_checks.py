@@ -1,7 +1,7 @@
-"""Argument rules shared by the ops: scalars (temperature, seed, sizes, eps; checked before the
-dispatch, so every mode refuses them alike), tensor primitives (dtype, rank) and the data checks
-(ids in range, rows with a softmax). Each error names the op, the argument, the value and the
-rule. _opchecks.py composes the tensor rules per op."""
+"""The rules of one argument, shared by every op: scalars (temperature, seed, sizes, eps; checked
+before the dispatch, so every mode refuses them alike), one tensor's dtype and rank, and the data
+checks (ids in range, rows with a softmax). Each error names the op, the argument, the value and
+the rule. _op_checks.py composes them into each op's rules over all its tensors."""
 from __future__ import annotations
 
 import math
@@ -10,9 +10,9 @@ import operator
 
 import torch
 
-FLOATS = (torch.float32, torch.bfloat16)
+from ._library import FLOAT_DTYPES as FLOATS, MAX_CHUNKS
+
 INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-MAX_CHUNKS = 64  # kMaxChunks of the C++ linear
 # Temperatures the kernels can divide fp32 logits by: fp32 normal numbers. Below MIN_TEMPERATURE
 # a temperature is 0 or a denormal in fp32 (NaN logprobs, junk tokens); above MAX it is inf.
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.1754943508222875e-38

@@ -1,12 +1,13 @@
-"""The tensor rules of each op (dtypes, ranks, shapes, index ranges), in Python, for backends that
-do not check their own arguments (stock torch; accelerator kernels to come). The C++ ops check
+"""Each op's rules over all its tensors together (dtypes, ranks, shapes, index ranges), built from
+_arg_checks.py's one-argument rules, for the backends that do not check their own arguments
+(stock torch, the fast Triton kernels). The C++ ops check
 the same rules for CPU tensors, with the same exception types; tests/test_kernels_fuzz.py holds
 the two to it. Scalar arguments are checked once, before the dispatch (ops.py, vocab.py)."""
 from __future__ import annotations
 
 import torch
 
-from . import _checks as check
+from . import _arg_checks as check
 
 
 def linear(x, weight, bias, chunks, out_dtype):
