@@ -232,3 +232,13 @@ def test_example_script(tmp_path):
                           "--max-completion-length", "4", "--out", str(tmp_path)])
     assert [r["logdiff_max"] for r in rows] == [0.0, 0.0]
     assert all(r["ratio_min"] == r["ratio_max"] == 1.0 for r in rows)
+
+
+def test_a_model_split_over_ranks_is_refused():
+    """TRL runs data parallel over processes: the policy must be whole on each one."""
+    import dataclasses
+    from tonp_models.integrations.trl import TonpPolicy
+    model, _ = tiny_policy()
+    model.groups = dataclasses.replace(model.groups, tp_size=2)   # as a TP=2 rank holds it
+    with pytest.raises(ValueError, match=r"whole on each process.*'tp': 2"):
+        TonpPolicy(model)

@@ -59,9 +59,11 @@ class TonpPolicy(PreTrainedModel):
         if not isinstance(model, Qwen3MoeForCausalLM):
             raise TypeError(f"TonpPolicy: model must be a tonp_models.Qwen3MoeForCausalLM, got "
                             f"{type(model).__name__}")
-        if model.groups is not None and getattr(model.groups, "world_size", 1) > 1:
-            raise ValueError("TonpPolicy: the model must be whole on each process (TRL runs data "
-                             "parallel over processes); got a TP/EP/PP/CP-sharded model")
+        g = model.groups
+        split = {k: getattr(g, f"{k}_size", 1) for k in ("tp", "ep", "pp", "cp")} if g else {}
+        if any(n > 1 for n in split.values()):
+            raise ValueError(f"TonpPolicy: the model must be whole on each process (TRL runs data "
+                             f"parallel over processes); got a model split as {split}")
         hf = model.config.to_hf()
         # tonp's forward returns no router logits: there is no load-balancing loss to weight.
         hf.update(output_router_logits=False, router_aux_loss_coef=0.0)
