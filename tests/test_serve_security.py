@@ -26,17 +26,17 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
-from serve_utils import ServerProcess, metrics, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, module_server, tiny_checkpoint, wait_until
 from test_generation import tiny_model
 from tonp_models.serve import RolloutClient
 from tonp_models.serve.client import ServerError
 from tonp_models.serve.cli import parse_args
 from tonp_models.serve.security import Guard, Security, default_body_limit, hostname
 
-openai = pytest.importorskip("openai", reason="the OpenAI client tests need the openai package")
 
 PRESET = ["--preset", "tiny", "--set", "num_hidden_layers=2", "--set", "mlp_only_layers=[1]",
           "--max-model-len", "512"]
@@ -44,25 +44,15 @@ GENERIC = re.compile(r"^internal server error \(see the server log, id ([0-9a-f]
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def _two_copies(d):
     """A checkpoint, and inside it (where the server may load weights from) a second copy."""
-    d = tmp_path_factory.mktemp("sec_ckpt")
     tiny_checkpoint(d, tokenizer=False)
     tiny_checkpoint(d / "v2", tokenizer=False)
     return d
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with ServerProcess(["--hf", str(ckpt), "--dtype", "fp32", "--max-model-len", "512"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=30) as c:
-        yield c
+ckpt, server, http, _ = module_server(["--dtype", "fp32", "--max-model-len", "512"],
+                                      make_ckpt=_two_copies, http_timeout=30)
 
 
 def _version(http, url) -> int:
@@ -80,17 +70,20 @@ def _raw(url: str, head: str, body: bytes = b"", timeout: float = 10.0) -> bytes
     """One request written by hand (`head`: request line and headers); the response bytes."""
     with socket.create_connection(_addr(url), timeout=timeout) as s:
         s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
-        out = b""
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            out += chunk
-            if b"\r\n\r\n" in out and out.rstrip().endswith(b"}"):
-                break
+        return _response(s)
+
+
+def _response(s: socket.socket) -> bytes:
+    """The bytes read from `s` until a JSON response is whole (or the server closes)."""
+    out = b""
+    while not (b"\r\n\r\n" in out and out.rstrip().endswith(b"}")):
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        out += chunk
     return out
 
 
@@ -177,7 +170,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
     assert "connection: close" in head
 
     rss = _rss_kb(server.proc.pid)
-    out, mb = [], b" " * (1 << 20)
+    mb = b" " * (1 << 20)
     with socket.create_connection((host, port), timeout=20) as s:
         def upload():
             try:
@@ -191,16 +184,9 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
                 pass
         t = threading.Thread(target=upload)
         t.start()
-        while not (b"\r\n\r\n" in b"".join(out) and b"".join(out).rstrip().endswith(b"}")):
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            out.append(chunk)
+        resp = _response(s)
         t.join(20)
-    status, body, _ = _status_and_json(b"".join(out))
+    status, body, _ = _status_and_json(resp)
     assert status == 413 and "exceeds the server's limit" in body["error"]["message"], body
     grown = _rss_kb(server.proc.pid) - rss
     assert grown < 25_000, f"the server grew by {grown} kB reading a refused 50 MB body"
