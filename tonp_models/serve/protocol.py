@@ -174,10 +174,6 @@ NEUTRAL = {
 }
 
 
-class UpdateWeightsRequest(_Body):
-    model_path: str
-
-
 # -- translation ------------------------------------------------------------------------------
 def refuse_unsupported(body: _Sampling) -> None:
     """400 naming the first field set to a value tonp does not implement (never ignored)."""
