@@ -157,6 +157,46 @@ def test_a_browser_origin_of_another_site_is_refused_on_state_changing_routes(se
     assert r.status_code == 200, r.text
 
 
+# -- weight-update groups -----------------------------------------------------------------------
+def test_a_weight_update_group_elsewhere_than_loopback_is_refused(server, http):
+    """/init_weights_update_group makes every server rank connect to master_address: bound to
+    loopback, the server refuses any other address (400 naming the field) before connecting."""
+    before = _version(http, server.url)
+    for addr in ("10.1.2.3", "attacker.example", "0.0.0.0", "[2001:db8::1]"):
+        t0 = time.monotonic()
+        r = http.post(server.url + "/init_weights_update_group", json={
+            "master_address": addr, "master_port": 29500, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo"})
+        assert r.status_code == 400, (addr, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "master_address" and "--allowed-master-address" in err["message"]
+        assert time.monotonic() - t0 < 5, "refused at the door, not after a connection attempt"
+    assert _version(http, server.url) == before
+    r = http.post(server.url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 200, r.text
+
+
+def test_the_weight_sync_addresses_of_a_bind_address():
+    def ok(policy, *addrs):
+        return [policy.sync_address_ok(a) for a in addrs]
+    lo = Security.for_server("127.0.0.1", max_body_bytes=1)
+    assert ok(lo, "127.0.0.1", "127.0.0.5", "localhost", "::1", "[::1]") == [True] * 5
+    assert ok(lo, "10.1.2.3", "trainer.example", "0.0.0.0") == [False] * 3
+    named = Security.for_server("127.0.0.1", allowed_hosts=["Trainer.Example"], max_body_bytes=1)
+    assert ok(named, "trainer.example", "10.1.2.3") == [True, False]
+    args = parse_args(["--preset", "tiny", "--allowed-master-address", "10.1.2.3"])
+    flag = Security.for_server("127.0.0.1", master_addresses=args.allowed_master_address,
+                               max_body_bytes=1)
+    assert ok(flag, "10.1.2.3", "10.1.2.4", "trainer.example") == [True, False, False]
+    star = Security.for_server("::1", master_addresses=["*"], max_body_bytes=1)
+    assert ok(star, "10.1.2.3", "trainer.example") == [True, True]
+    wide = Security.for_server("0.0.0.0", api_keys=["k"], max_body_bytes=1)
+    assert ok(wide, "10.1.2.3", "trainer.example") == [True, True]
+    wide_named = Security.for_server("0.0.0.0", api_keys=["k"], master_addresses=["10.0.0.1"],
+                                     max_body_bytes=1)
+    assert ok(wide_named, "10.0.0.1", "10.0.0.2", "127.0.0.1") == [True, False, True]
+
+
 # -- body size and disconnects -----------------------------------------------------------------
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
     """Content-Length 50 MB, body never sent: 413 at once. A chunked 50 MB body (no length):

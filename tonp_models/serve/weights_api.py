@@ -6,7 +6,7 @@ the trainer side is weight_sync.WeightSender). Every update drains running reque
 
 Replies are SGLang's {"success", "message"} plus tonp's "weight_version" and "seconds"; the
 status is 200, a 4xx when the update was refused with nothing changed (403: outside
---allowed-weights-dir), 500 when it failed part-way (the server is then unhealthy until a good
+--allowed-weights-dir; 400: a master_address security.py does not allow), 500 when it failed part-way (the server is then unhealthy until a good
 update), 503 when the engine is not running.
 """
 from __future__ import annotations
@@ -114,7 +114,13 @@ async def update_weights(http: Request):
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(http: Request):
     b: InitGroup = await parse(http, InitGroup)
-    service = state(http).service
+    st = state(http)
+    if not st.security.sync_address_ok(b.master_address):
+        raise ApiError(400, f"master_address {b.master_address!r} is not a loopback address, "
+                            f"and this server connects its ranks elsewhere only to the "
+                            f"addresses --allowed-host or --allowed-master-address name",
+                       "master_address")
+    service = st.service
     return await _reply(http, lambda v: service.run_everywhere(
         "init_group", b.master_address, b.master_port, b.rank_offset, b.world_size,
         b.group_name, b.backend), _Update())
