@@ -1,6 +1,6 @@
-"""The rollout service left running on a machine with a browser and other users (issue 27 items 4
-and 5), against `python -m tonp_models.serve` on a free loopback port, through raw sockets,
-httpx, the official `openai` client and RolloutClient:
+"""The rollout service left running on a machine with a browser and other users, against `python -m
+tonp_models.serve` on a free loopback port, through raw sockets, httpx, the official `openai`
+client and RolloutClient:
 
 * a cross-site `text/plain` (or form) POST, which a browser sends without a CORS preflight,
   cannot drive /update_weights: 415, nothing loaded; the same body as JSON loads;
