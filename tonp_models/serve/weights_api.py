@@ -18,21 +18,16 @@ from typing import List, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from .calls import parse, state
-from .protocol import ApiError
+from .protocol import ApiError, Body
 from .service import UpdateResult, WeightsRefused
 from .weight_sync import DEFAULT_GROUP
 
 router = APIRouter()
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Update(_Body):
+class _Update(Body):
     """Fields SGLang's update requests share. weight_version: the version after the update
     (an int, or a string of one; default: the current one + 1). flush_cache: accepted either
     way; tonp always drops the prefix cache when weights change (its K/V are stale).
@@ -48,7 +43,7 @@ class DiskUpdate(_Update):
     model_path: str
 
 
-class InitGroup(_Body):
+class InitGroup(Body):
     master_address: str
     master_port: int
     rank_offset: int
@@ -64,7 +59,7 @@ class DistributedUpdate(_Update):
     group_name: str = DEFAULT_GROUP
 
 
-class DestroyGroup(_Body):
+class DestroyGroup(Body):
     group_name: str = DEFAULT_GROUP
 
 
