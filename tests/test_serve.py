@@ -35,7 +35,7 @@ ARGS = ["--dtype", "fp32", "--served-model-name", NAME, "--max-batch-size", "16"
 
 # weights may come from pytest's base temporary directory (the tests' tmp_path dirs are below)
 ckpt, server, http, oai = module_server(
-    ARGS, extra=lambda ckpt: ["--allowed-weights-dir", os.path.dirname(ckpt)])
+    ARGS, extra=lambda path: ["--allowed-weights-dir", os.path.dirname(path)])
 
 
 def score(model, prompt, completion, temperature):

@@ -43,7 +43,7 @@ P = prompts((12,), seed=31)[0].tolist()
 ckpt, server, http, _ = module_server(
     [*ARGS, "--weight-sync-timeout", "5"],
     make_ckpt=lambda base: tiny_checkpoint(base / "allowed" / "ckpt", tokenizer=False),
-    extra=lambda ckpt: ["--allowed-weights-dir", os.path.dirname(ckpt)])
+    extra=lambda path: ["--allowed-weights-dir", os.path.dirname(path)])
 
 
 @pytest.fixture(scope="module")
