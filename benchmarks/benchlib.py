@@ -101,6 +101,23 @@ def timeit_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 3,
     return out
 
 
+class ForwardClock:
+    """Stands in for the model in `tonp_models.generate`: notes each forward's (start, end) in
+    `spans` (perf_counter seconds)."""
+
+    def __init__(self, model):
+        self.model, self.config, self.spans = model, model.config, []
+
+    def new_cache(self, *args, **kwargs):
+        return self.model.new_cache(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        self.spans.append((t0, time.perf_counter()))
+        return out
+
+
 def summarize(samples: Sequence[float], stat: str = "median") -> float:
     """The chosen statistic of a list of per-step times (seconds)."""
     if not samples:

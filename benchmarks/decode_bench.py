@@ -41,8 +41,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import roofline  # noqa: E402
-from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
-                      md_table, write_results)
+from benchlib import (RESULTS_DIR, ForwardClock, busy_warning, fmt, fmt_ratio, log,  # noqa: E402
+                      machine_meta, md_table, write_results)
 
 import tonp_kernels as tk  # noqa: E402
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
@@ -80,26 +80,10 @@ def make_config(a) -> Qwen3MoeConfig:
                                  bos_token_id=None, eos_token_id=None)
 
 
-class _Clock:
-    """Stands in for the model in `generate`: notes each forward's start and end."""
-
-    def __init__(self, model):
-        self.model, self.config, self.spans = model, model.config, []
-
-    def new_cache(self, *args, **kwargs):
-        return self.model.new_cache(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.model(*args, **kwargs)
-        self.spans.append((t0, time.perf_counter()))
-        return out
-
-
 def tonp_run(model, prompts: List[List[int]], new: int) -> dict:
     """One greedy generate of `prompts`: its wall time, decode-step times and the engine's time
     per step outside the forward, and prompt 0's logprobs."""
-    clock = _Clock(model)
+    clock = ForwardClock(model)
     t0 = time.perf_counter()
     with tk.use("invariant"):
         out = generate(clock, prompts, new, max_batch_size=len(prompts))

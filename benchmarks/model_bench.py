@@ -37,7 +37,7 @@ from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate
 from tonp_models.engine import PageAllocator, extend
 
 import roofline
-from benchlib import free_memory, log, summarize, timeit_interleaved
+from benchlib import ForwardClock, free_memory, log, summarize, timeit_interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TONP_MODES = ("invariant", "torch")
@@ -90,20 +90,6 @@ def make_cases(mode: str) -> List[Case]:
 # ---------------------------------------------------------------------------------------------
 # Engines: the same three calls (decode steps, prefill, training step) for tonp and transformers
 # ---------------------------------------------------------------------------------------------
-class _ForwardClock:
-    """Stands in for the model in `tonp_models.generate` and notes when each forward starts."""
-
-    def __init__(self, model):
-        self.model, self.config, self.starts = model, model.config, []
-
-    def new_cache(self, *args, **kwargs):
-        return self.model.new_cache(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        self.starts.append(time.perf_counter())
-        return self.model(*args, **kwargs)
-
-
 class TonpEngine:
     def __init__(self, model: Qwen3MoeForCausalLM, mode: str):
         self.model = self.module = model
@@ -111,12 +97,12 @@ class TonpEngine:
 
     def decode_steps(self, prompts: torch.Tensor, n_new: int) -> List[float]:
         """Seconds of each decode step (all but the prefill forward) of one greedy generate."""
-        clock = _ForwardClock(self.model)
+        clock = ForwardClock(self.model)
         with tk.use(self.mode):
             out = generate(clock, list(prompts), n_new, max_batch_size=len(prompts))
         end = time.perf_counter()
         assert all(len(c) == n_new for c in out.completions), "generation stopped early"
-        starts = clock.starts[1:] + [end]
+        starts = [s for s, _ in clock.spans[1:]] + [end]
         return [b - a for a, b in zip(starts[:-1], starts[1:])]
 
     def prefill(self, prompts: torch.Tensor) -> None:

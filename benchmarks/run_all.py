@@ -56,7 +56,7 @@ def bound_tok_s(case: mb.Case, dtype: str, metric: str, m: dict, machine: dict) 
 
 
 def targets(case: mb.Case, dtype: str, res: dict, machine: dict) -> list:
-    """Issue 7's targets that apply to this case and dtype: dicts with what, measured, met."""
+    """The performance targets that apply to this case and dtype: dicts with what, measured, met."""
     inv, tor, hf = res["tonp invariant"], res["tonp torch"], res["transformers"]
     out = []
 

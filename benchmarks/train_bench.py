@@ -1,4 +1,4 @@
-"""Issue 20's targets on the 30B-A3B layer shapes: training step / forward, invariant vs stock
+"""The training targets on the 30B-A3B layer shapes: training step / forward, invariant vs stock
 torch training, invariant vs stock bf16 prefill, fp32 training against the compute bound.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/train_bench.py [--quick] [--layers 1]

@@ -4,6 +4,7 @@ template, and a server process started on a free loopback port and always torn d
     ckpt = tiny_checkpoint(tmp_path)                      # -> directory (model + tokenizer)
     with ServerProcess(["--hf", ckpt]) as srv:            # python -m tonp_models.serve ...
         srv.url                                           # http://127.0.0.1:<port>
+    ckpt, server, http, oai = module_server(ARGS)         # one server for a module's tests
 
 The process prints its address once it serves; the context manager waits for that line (with a
 timeout), and on exit sends SIGTERM, waits for a clean exit and kills the process otherwise.
@@ -18,32 +19,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
+import httpx
+import openai
+import pytest
 import torch
 
+from tonp_models.integrations.tokenizer import byte_tokenizer
+
 REPO = Path(__file__).resolve().parents[1]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
-
-
-def save_tokenizer(path) -> None:
-    """A byte-level tokenizer (byte b = id b; <|endoftext|> 256, <|im_end|> 257 = eos,
-    <|im_start|> 258) with a ChatML template, written where AutoTokenizer finds it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    b2u = bytes_to_unicode()
-    vocab = {b2u[b]: b for b in range(256)}
-    vocab.update({"<|endoftext|>": 256, "<|im_end|>": 257, "<|im_start|>": 258})
-    tok = Tokenizer(models.BPE(vocab, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.save_pretrained(path)
 
 
 def tiny_checkpoint(path, model=None, tokenizer: bool = True) -> str:
@@ -52,7 +37,7 @@ def tiny_checkpoint(path, model=None, tokenizer: bool = True) -> str:
     model = model if model is not None else tiny_model(torch.float32)
     model.save_pretrained(path)
     if tokenizer:
-        save_tokenizer(path)
+        byte_tokenizer().save_pretrained(path)
     return str(path)
 
 
@@ -120,6 +105,47 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return "".join(self.output)
+
+
+def module_server(args: List[str], make_ckpt: Optional[Callable[[Path], str]] = None,
+                  extra: Optional[Callable[[str], List[str]]] = None, hf: bool = True,
+                  http_timeout: float = 60.0):
+    """Module-scoped fixtures (ckpt, server, http, oai) of one server all of a module's tests
+    share: `ckpt, server, http, oai = module_server(ARGS)` at module level.
+
+    ckpt: a tiny checkpoint in a fresh directory (`make_ckpt(dir)` builds it there instead);
+    server: ServerProcess(["--hf", ckpt, *args, *extra(ckpt)]), or ServerProcess(args) with
+    `hf=False` (a preset: no checkpoint); http: an httpx.Client; oai: the official `openai`
+    client of its /v1."""
+    @pytest.fixture(scope="module", name="ckpt")
+    def ckpt_(tmp_path_factory):
+        d = tmp_path_factory.mktemp("tiny_ckpt")
+        return make_ckpt(d) if make_ckpt is not None else tiny_checkpoint(d)
+
+    def served(cmd: List[str]):
+        with ServerProcess(cmd) as srv:
+            yield srv
+
+    if hf:
+        @pytest.fixture(scope="module", name="server")
+        def server_(ckpt):
+            yield from served(["--hf", str(ckpt), *args, *(extra(str(ckpt)) if extra else [])])
+    else:
+        @pytest.fixture(scope="module", name="server")
+        def server_():
+            yield from served(args)
+
+    @pytest.fixture(scope="module", name="http")
+    def http_(server):
+        with httpx.Client(timeout=http_timeout) as c:
+            yield c
+
+    @pytest.fixture(scope="module", name="oai")
+    def oai_(server):
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=http_timeout,
+                             max_retries=0)
+
+    return ckpt_, server_, http_, oai_
 
 
 def rank_env(rank: int, port: int, world: int = 2) -> Dict[str, str]:

@@ -68,7 +68,7 @@ def test_kernel_benchmark_samples_candidates_in_turn():
 
 @pytest.mark.timeout(120)
 def test_train_bench_quick_writes_its_targets(tmp_path):
-    """benchmarks/train_bench.py (issue 20's targets) runs on the tiny model: every contender
+    """benchmarks/train_bench.py (the training targets) runs on the tiny model: every contender
     timed, the ratios computed, the ISA and the six targets in the report."""
     import train_bench
     assert train_bench.main(["--quick", "--out", str(tmp_path)]) == 0

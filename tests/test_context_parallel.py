@@ -1,4 +1,4 @@
-"""Context parallelism gives the one-process model's bits (CONTRACT.md, Attention; issue 18).
+"""Context parallelism gives the one-process model's bits (CONTRACT.md, Attention).
 
 Each CP rank holds zig-zag chunks r and 2C-1-r of every packed sequence, gathers every rank's
 keys and values into pages of the attention block and reads positions 0..t of its sequence

@@ -250,7 +250,7 @@ def test_bad_input_raises_clear_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Hardening (issue 16): every bad argument named, no NaN out, TP ranks checked
+# Hardening: every bad argument named, no NaN out, TP ranks checked
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("t", [1e-300, 1e-45, 1e-39, -1e-300, -0.5, math.nan, math.inf, 1e39])
 def test_temperatures_fp32_cannot_carry_are_refused(t):

@@ -1,7 +1,7 @@
-"""Bad kernel inputs of issue 16 get a clear error, the same in both kernel modes, never a silent
-wrong result: temperatures fp32 cannot carry, logits / T that overflow, rows with no softmax,
-NaN logits in sampling, seeds past 48 bits, float or wrapping index tensors, 0-d inputs.
-Each case failed (NaN, junk token, truncation, wrap, IndexError from deep inside) before.
+"""Bad kernel inputs get a clear error, the same in both kernel modes, never a silent wrong result:
+temperatures fp32 cannot carry, logits / T that overflow, rows with no softmax, NaN logits in
+sampling, seeds past 48 bits, float or wrapping index tensors, 0-d inputs. Each case failed (NaN,
+junk token, truncation, wrap, IndexError from deep inside) before.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The kernel mode belongs to a thread / context, and a `with` block restores exactly what it
 replaced: a thread switching to stock torch ops never changes another thread's bits.
 
-The interleaving of issue 16 (A enters "torch", B enters "invariant", A exits, B exits) left the
+The interleaving of two threads (A enters "torch", B enters "invariant", A exits, B exits) left the
 whole process on stock kernels when the mode was one global; so did any generate running while
 another thread compared modes. Both are run here, the second with the real `generate`.
 """
@@ -80,7 +80,7 @@ def test_with_restores_exactly_what_it_replaced():
     assert tk.get_mode() == "invariant"
 
 
-def test_the_issue_interleaving_leaves_every_thread_as_it_was():
+def test_an_interleaving_of_two_threads_leaves_every_thread_as_it_was():
     """A enters torch, B enters invariant, A exits, B exits: nobody ends on stock kernels."""
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen = {}

@@ -15,18 +15,17 @@ import json
 import os
 import tempfile
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="tonp_lm_eval_"))
 
+import lm_eval  # noqa: E402  (after the offline settings: datasets reads them on import)
+
 from serve_utils import ServerProcess, tiny_checkpoint  # noqa: E402
 from test_generation import tiny_model  # noqa: E402
 from tonp_models import generate  # noqa: E402
-
-lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval[api] (requirements-test.txt)")
 
 NAME = "tiny-lm"
 LL_DOCS = [{"context": "Question: 2+2=", "continuation": " 4"},

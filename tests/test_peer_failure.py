@@ -1,7 +1,7 @@
 """A rank that dies or stalls under a multi-process run ends every other rank with one clear line
-and exit status 1, not a gloo traceback (issue 27, item 5): pretrain.py on 2 ranks (torchrun's
-environment, gloo on loopback), rank 1 killed with SIGKILL, or stopped with SIGSTOP under
---dist-timeout 5, in the middle of training."""
+and exit status 1, not a gloo traceback: pretrain.py on 2 ranks (torchrun's environment, gloo on
+loopback), rank 1 killed with SIGKILL, or stopped with SIGSTOP under --dist-timeout 5, in the
+middle of training."""
 from __future__ import annotations
 
 import os

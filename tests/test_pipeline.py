@@ -1,4 +1,4 @@
-"""Pipeline parallelism gives the one-process model's bits (CONTRACT.md 4, issue 18).
+"""Pipeline parallelism gives the one-process model's bits (CONTRACT.md 4).
 
 One spawn of 4 gloo ranks walks PP in {1, 2, 4}, an uneven split, PP 2 x TP 2 and PP 2 x EP 2
 (tests/layout_walk.py): token_logprobs, logits, greedy and sampled generate (micro-batches in

@@ -1,4 +1,4 @@
-"""tonp's block spec as pipeline stages of a megatron-core model (issue 18, item 4).
+"""tonp's block spec as pipeline stages of a megatron-core model.
 
 Under megatron's parallel_state at PP 2 (gloo, 2 ranks) each rank builds a TransformerBlock
 from `get_tonp_block_spec(config)`: stage 0 gets layers 0-1, stage 1 layers 2-3 with their

@@ -1,4 +1,4 @@
-"""The scripts at PP / CP / SP layouts (issue 18, item 4), in one spawn of 2 gloo ranks:
+"""The scripts at PP / CP / SP layouts, in one spawn of 2 gloo ranks:
 
 * pretrain.py --pp 2 --micro-batches 2: every step's loss and grad norm equal the one-process
   run with the same micro-batches, bit for bit (PP gradients are PP 1's, the norm adds the

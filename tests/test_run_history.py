@@ -1,10 +1,9 @@
-"""A run never destroys its own history (issue 27, item 3): a fresh start in an --out that holds
-a run is refused unless --overwrite (pretrain, finetune, grpo alike); a resume from an older
-checkpoint of the same --out, or from another run's into it, is refused; a resume with other
-hyper-parameters than the checkpoint's is refused naming the flag, and --steps is applied (bit
-for bit the run started with those --steps); metrics.jsonl is rewritten atomically (a kill -9
-in the middle leaves it whole); CheckpointManager refuses caller keys it writes itself and
-leaves no `.old-step_*` behind."""
+"""A run never destroys its own history: a fresh start in an --out that holds a run is refused
+unless --overwrite (pretrain, finetune, grpo alike); a resume from an older checkpoint of the same
+--out, or from another run's into it, is refused; a resume with other hyper-parameters than the
+checkpoint's is refused naming the flag, and --steps is applied (bit for bit the run started with
+those --steps); metrics.jsonl is rewritten atomically (a kill -9 in the middle leaves it whole);
+CheckpointManager refuses caller keys it writes itself and leaves no `.old-step_*` behind."""
 from __future__ import annotations
 
 import os

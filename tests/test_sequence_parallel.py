@@ -1,4 +1,4 @@
-"""Sequence parallelism (Megatron's) gives the bits of SP off (issue 18).
+"""Sequence parallelism (Megatron's) gives the bits of SP off.
 
 In the norm and residual regions each TP rank holds ceil(T / tp) token rows (zero rows pad T
 to a multiple of tp; they never meet a real row in a reduction: every op there is row-wise,

@@ -19,43 +19,23 @@ import sys
 import threading
 
 import httpx
-import pytest
 import torch
 
 from conftest import assert_bitwise
-from serve_utils import ServerProcess, metrics, tiny_checkpoint
+from serve_utils import metrics, module_server, tiny_checkpoint
 from test_generation import prompts, tiny_model
 from tonp_models import generate
 from tonp_models.serve import RolloutClient
 
-openai = pytest.importorskip("openai", reason="the OpenAI client tests need the openai package")
 
 NAME = "tiny"
 ARGS = ["--dtype", "fp32", "--served-model-name", NAME, "--max-batch-size", "16",
         "--max-step-tokens", "24", "--max-n", "32"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
-
-
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    allowed = str(tmp_path_factory.getbasetemp())       # the updates' tmp_path dirs are below
-    with ServerProcess(["--hf", ckpt, *ARGS, "--allowed-weights-dir", allowed]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=60) as c:
-        yield c
+# weights may come from pytest's base temporary directory (the tests' tmp_path dirs are below)
+ckpt, server, http, oai = module_server(
+    ARGS, extra=lambda path: ["--allowed-weights-dir", os.path.dirname(path)])
 
 
 def score(model, prompt, completion, temperature):
@@ -124,16 +104,20 @@ def test_chat_uses_the_checkpoint_template_and_keeps_every_bit(oai, ckpt):
 
 def test_generate_endpoint_reproduces_generate(server, http):
     """SGLang-style /generate (through RolloutClient): G samples of P prompts with their noise
-    keys give generate's tokens, logprobs and finish reasons, bit for bit."""
+    keys give generate's tokens, logprobs and finish reasons, bit for bit, and each result names
+    the weight version that generated it."""
     model = tiny_model(torch.float32)
     group = [p for p in prompts((5, 30, 17), seed=22) for _ in range(2)]
     kw = dict(temperature=1.0, seed=9, request_ids=range(100, 106), eos_token_id=257)
     want = generate(model, group, 10, **kw)
-    got = RolloutClient(server.url).generate(group, 10, **kw)
+    client = RolloutClient(server.url)
+    version = client.wait_ready()["weight_version"]
+    got = client.generate(group, 10, **kw)
     for i in range(len(group)):
         assert_bitwise(got.sequences[i], want.sequences[i], f"request {i}: tokens")
         assert_bitwise(got.logprobs[i], want.logprobs[i], f"request {i}: logprobs")
     assert got.finish_reasons == want.finish_reasons
+    assert got.weight_versions == [version] * len(group)
     one = http.post(f"{server.url}/generate", json={
         "input_ids": group[0].tolist(), "return_logprob": True, "top_logprobs_num": 3,
         "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()

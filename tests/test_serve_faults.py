@@ -21,7 +21,8 @@ import torch
 
 from conftest import assert_bitwise
 from dist_utils import free_port
-from serve_utils import ServerProcess, metrics, rank_env, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, module_server, rank_env, tiny_checkpoint, \
+    wait_until
 from test_generation import prompts, tiny_model
 
 # 64 pages of 16 positions: the load test's 64 clients do not all fit at once.
@@ -30,16 +31,7 @@ ARGS = ["--preset", "tiny", "--set", "num_hidden_layers=2", "--set", "mlp_only_l
         "--max-n", "8", "--max-model-len", "512"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess(ARGS) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=60) as c:
-        yield c
+_, server, http, _ = module_server(ARGS, hf=False)
 
 
 def _model():

@@ -1,6 +1,6 @@
-"""The rollout service left running on a machine with a browser and other users (issue 27 items 4
-and 5), against `python -m tonp_models.serve` on a free loopback port, through raw sockets,
-httpx, the official `openai` client and RolloutClient:
+"""The rollout service left running on a machine with a browser and other users, against `python -m
+tonp_models.serve` on a free loopback port, through raw sockets, httpx, the official `openai`
+client and RolloutClient:
 
 * a cross-site `text/plain` (or form) POST, which a browser sends without a CORS preflight,
   cannot drive /update_weights: 415, nothing loaded; the same body as JSON loads;
@@ -26,17 +26,17 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
-from serve_utils import ServerProcess, metrics, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, module_server, tiny_checkpoint, wait_until
 from test_generation import tiny_model
 from tonp_models.serve import RolloutClient
 from tonp_models.serve.client import ServerError
 from tonp_models.serve.cli import parse_args
 from tonp_models.serve.security import Guard, Security, default_body_limit, hostname
 
-openai = pytest.importorskip("openai", reason="the OpenAI client tests need the openai package")
 
 PRESET = ["--preset", "tiny", "--set", "num_hidden_layers=2", "--set", "mlp_only_layers=[1]",
           "--max-model-len", "512"]
@@ -44,25 +44,15 @@ GENERIC = re.compile(r"^internal server error \(see the server log, id ([0-9a-f]
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def _two_copies(d):
     """A checkpoint, and inside it (where the server may load weights from) a second copy."""
-    d = tmp_path_factory.mktemp("sec_ckpt")
     tiny_checkpoint(d, tokenizer=False)
     tiny_checkpoint(d / "v2", tokenizer=False)
     return d
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with ServerProcess(["--hf", str(ckpt), "--dtype", "fp32", "--max-model-len", "512"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=30) as c:
-        yield c
+ckpt, server, http, _ = module_server(["--dtype", "fp32", "--max-model-len", "512"],
+                                      make_ckpt=_two_copies, http_timeout=30)
 
 
 def _version(http, url) -> int:
@@ -80,17 +70,20 @@ def _raw(url: str, head: str, body: bytes = b"", timeout: float = 10.0) -> bytes
     """One request written by hand (`head`: request line and headers); the response bytes."""
     with socket.create_connection(_addr(url), timeout=timeout) as s:
         s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
-        out = b""
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            out += chunk
-            if b"\r\n\r\n" in out and out.rstrip().endswith(b"}"):
-                break
+        return _response(s)
+
+
+def _response(s: socket.socket) -> bytes:
+    """The bytes read from `s` until a JSON response is whole (or the server closes)."""
+    out = b""
+    while not (b"\r\n\r\n" in out and out.rstrip().endswith(b"}")):
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        out += chunk
     return out
 
 
@@ -164,6 +157,46 @@ def test_a_browser_origin_of_another_site_is_refused_on_state_changing_routes(se
     assert r.status_code == 200, r.text
 
 
+# -- weight-update groups -----------------------------------------------------------------------
+def test_a_weight_update_group_elsewhere_than_loopback_is_refused(server, http):
+    """/init_weights_update_group makes every server rank connect to master_address: bound to
+    loopback, the server refuses any other address (400 naming the field) before connecting."""
+    before = _version(http, server.url)
+    for addr in ("10.1.2.3", "attacker.example", "0.0.0.0", "[2001:db8::1]"):
+        t0 = time.monotonic()
+        r = http.post(server.url + "/init_weights_update_group", json={
+            "master_address": addr, "master_port": 29500, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo"})
+        assert r.status_code == 400, (addr, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "master_address" and "--allowed-master-address" in err["message"]
+        assert time.monotonic() - t0 < 5, "refused at the door, not after a connection attempt"
+    assert _version(http, server.url) == before
+    r = http.post(server.url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 200, r.text
+
+
+def test_the_weight_sync_addresses_of_a_bind_address():
+    def ok(policy, *addrs):
+        return [policy.sync_address_ok(a) for a in addrs]
+    lo = Security.for_server("127.0.0.1", max_body_bytes=1)
+    assert ok(lo, "127.0.0.1", "127.0.0.5", "localhost", "::1", "[::1]") == [True] * 5
+    assert ok(lo, "10.1.2.3", "trainer.example", "0.0.0.0") == [False] * 3
+    named = Security.for_server("127.0.0.1", allowed_hosts=["Trainer.Example"], max_body_bytes=1)
+    assert ok(named, "trainer.example", "10.1.2.3") == [True, False]
+    args = parse_args(["--preset", "tiny", "--allowed-master-address", "10.1.2.3"])
+    flag = Security.for_server("127.0.0.1", master_addresses=args.allowed_master_address,
+                               max_body_bytes=1)
+    assert ok(flag, "10.1.2.3", "10.1.2.4", "trainer.example") == [True, False, False]
+    star = Security.for_server("::1", master_addresses=["*"], max_body_bytes=1)
+    assert ok(star, "10.1.2.3", "trainer.example") == [True, True]
+    wide = Security.for_server("0.0.0.0", api_keys=["k"], max_body_bytes=1)
+    assert ok(wide, "10.1.2.3", "trainer.example") == [True, True]
+    wide_named = Security.for_server("0.0.0.0", api_keys=["k"], master_addresses=["10.0.0.1"],
+                                     max_body_bytes=1)
+    assert ok(wide_named, "10.0.0.1", "10.0.0.2", "127.0.0.1") == [True, False, True]
+
+
 # -- body size and disconnects -----------------------------------------------------------------
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
     """Content-Length 50 MB, body never sent: 413 at once. A chunked 50 MB body (no length):
@@ -177,7 +210,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
     assert "connection: close" in head
 
     rss = _rss_kb(server.proc.pid)
-    out, mb = [], b" " * (1 << 20)
+    mb = b" " * (1 << 20)
     with socket.create_connection((host, port), timeout=20) as s:
         def upload():
             try:
@@ -191,16 +224,9 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server, http):
                 pass
         t = threading.Thread(target=upload)
         t.start()
-        while not (b"\r\n\r\n" in b"".join(out) and b"".join(out).rstrip().endswith(b"}")):
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            out.append(chunk)
+        resp = _response(s)
         t.join(20)
-    status, body, _ = _status_and_json(b"".join(out))
+    status, body, _ = _status_and_json(resp)
     assert status == 413 and "exceeds the server's limit" in body["error"]["message"], body
     grown = _rss_kb(server.proc.pid) - rss
     assert grown < 25_000, f"the server grew by {grown} kB reading a refused 50 MB body"

@@ -25,7 +25,7 @@ import torch
 
 import sglang_replay as replay
 from conftest import assert_bitwise
-from serve_utils import ServerProcess, metrics, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, module_server, wait_until
 from test_generation import tiny_model
 
 ARGS = ["--dtype", "fp32", "--max-batch-size", "8", "--max-step-tokens", "24", "--max-n", "16"]
@@ -34,21 +34,7 @@ SAMPLINGS = {"greedy": dict(temperature=0.0, sampling_seed=42),
 SMALL = dict(max_new_tokens=6, n_trials=4, long_chars=200, prefix_lens=(1, 17, 63, 130))
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
-
-
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with ServerProcess(["--hf", ckpt, *ARGS]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=60) as c:
-        yield c
+ckpt, server, http, _ = module_server(ARGS)
 
 
 def gen(http, server, body, status=200):

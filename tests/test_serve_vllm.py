@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from conftest import assert_bitwise
-from serve_utils import ServerProcess, metrics, tiny_checkpoint, wait_until
+from serve_utils import metrics, module_server, wait_until
 from test_generation import prompts, tiny_model
 
-openai = pytest.importorskip("openai", reason="the OpenAI client tests need the openai package")
 
 NAME = "tiny"
 MAX_CHARS = 3000
@@ -31,26 +30,7 @@ ARGS = ["--dtype", "fp32", "--served-model-name", NAME, "--max-batch-size", "8",
         "--max-prompt-chars", str(MAX_CHARS)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_vllm"))
-
-
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with ServerProcess(["--hf", ckpt, *ARGS]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=60) as c:
-        yield c
+ckpt, server, http, oai = module_server(ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +305,7 @@ def test_the_chat_door_bounds_the_messages_before_the_template(http, server):
 # -- TRL's client, unchanged ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trl_client(server, monkeypatch_module):
-    vc = pytest.importorskip("trl.generation.vllm_client")
+    from trl.generation import vllm_client as vc
     # VLLMClient refuses to start without the vllm package; its HTTP calls do not need it.
     monkeypatch_module.setattr(vc, "is_vllm_available", lambda *a, **k: True)
     return vc.VLLMClient(base_url=server.url, connection_timeout=30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import assert_bitwise
 from dist_utils import free_port
-from serve_utils import ServerProcess, metrics, rank_env, tiny_checkpoint, wait_until
+from serve_utils import ServerProcess, metrics, module_server, rank_env, tiny_checkpoint, \
+    wait_until
 from test_generation import prompts, tiny_model
 from tonp_models.qwen3_moe.checkpoint import state_dict_hub
 from tonp_models.serve.weight_sync import WeightSender
@@ -37,16 +39,17 @@ ARGS = ["--dtype", "fp32", "--max-batch-size", "8", "--max-step-tokens", "24"]
 P = prompts((12,), seed=31)[0].tolist()
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("weights")
-    (base / "allowed").mkdir()
-    return base
+# the server may load weights from <base>/allowed (its checkpoint's directory), not from elsewhere
+ckpt, server, http, _ = module_server(
+    [*ARGS, "--weight-sync-timeout", "5"],
+    make_ckpt=lambda base: tiny_checkpoint(base / "allowed" / "ckpt", tokenizer=False),
+    extra=lambda path: ["--allowed-weights-dir", os.path.dirname(path)])
 
 
 @pytest.fixture(scope="module")
-def ckpt(dirs):
-    return tiny_checkpoint(dirs / "allowed" / "ckpt", tiny_model(torch.float32), tokenizer=False)
+def dirs(ckpt):
+    """<base>: `allowed` (the server's --allowed-weights-dir) and the places outside it."""
+    return Path(ckpt).parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +62,6 @@ def new_model():
     return new
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, dirs):
-    with ServerProcess(["--hf", ckpt, *ARGS, "--allowed-weights-dir", str(dirs / "allowed"),
-                        "--weight-sync-timeout", "5"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(timeout=60) as c:
-        yield c
 
 
 def score(model, prompt, completion):

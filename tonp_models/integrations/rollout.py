@@ -32,6 +32,11 @@ def _sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], 
                 eos_token_id=[int(t) for t in eos_token_ids])
 
 
+def _lists(out) -> Rollouts:
+    """A GenerationOutput's completions and logprobs as lists (fp32 values survive float())."""
+    return [c.tolist() for c in out.completions], [lp.tolist() for lp in out.logprobs]
+
+
 class InProcessGenerator:
     """`tonp_models.generate` on the training model itself (its current weights, no copy)."""
 
@@ -54,8 +59,7 @@ class InProcessGenerator:
         out = generate(self.model, [list(p) for p in prompts], max_new_tokens,
                        request_ids=list(request_ids), max_batch_size=self.max_batch_size,
                        **_sampling(temperature, top_k, top_p, seed, eos_token_ids))
-        return ([s[n:].tolist() for s, n in zip(out.sequences, out.prompt_lengths)],
-                [lp.tolist() for lp in out.logprobs])
+        return _lists(out)
 
 
 class ServerGenerator:
@@ -108,27 +112,17 @@ class ServerGenerator:
                  max_new_tokens: int, temperature: float, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, seed: int = 0,
                  eos_token_ids: Sequence[int] = ()) -> Rollouts:
-        """The server's token-id /generate (the body RolloutClient sends); raises if a result
-        was generated with other weights than the last `sync` pushed."""
-        params = dict(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                      top_k=-1 if top_k is None else int(top_k),
-                      top_p=1.0 if top_p is None else float(top_p), seed=int(seed),
-                      stop_token_ids=sorted({int(t) for t in eos_token_ids}), ignore_eos=True)
-        body = dict(input_ids=[[int(t) for t in p] for p in prompts], sampling_params=params,
-                    return_logprob=True, request_ids=[int(i) for i in request_ids])
-        results = self.client._call("/generate", body) if prompts else []
-        completions, logprobs = [], []
-        for res in results:
-            meta = res["meta_info"]
-            if self.weight_version is not None and meta["weight_version"] != self.weight_version:
-                raise RuntimeError(f"ServerGenerator: request {meta['id']} was generated with "
-                                   f"weight version {meta['weight_version']}, not the "
-                                   f"{self.weight_version} this step pushed")
-            if meta["finish_reason"]["type"] not in ("stop", "length"):
-                raise ServerError(500, f"request {meta['id']} ended with {meta['finish_reason']}")
-            completions.append(list(res["output_ids"]))
-            logprobs.append([x[0] for x in meta["output_token_logprobs"]])
-        return completions, logprobs
+        """RolloutClient.generate (the server's token-id /generate); raises if a result was
+        generated with other weights than the last `sync` pushed."""
+        request_ids = [int(i) for i in request_ids]
+        out = self.client.generate(prompts, max_new_tokens, request_ids=request_ids,
+                                   **_sampling(temperature, top_k, top_p, seed, eos_token_ids))
+        for rid, version in zip(request_ids, out.weight_versions):
+            if self.weight_version is not None and version != self.weight_version:
+                raise RuntimeError(f"ServerGenerator: request {rid} was generated with weight "
+                                   f"version {version}, not the {self.weight_version} this step "
+                                   f"pushed")
+        return _lists(out)
 
 
 __all__ = ["InProcessGenerator", "ServerGenerator"]

@@ -14,6 +14,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+import tonp_kernels as tk
+
 from ..qwen3_moe.config import Qwen3MoeConfig
 
 # Load-balancing types that only add an auxiliary loss (inert with a zero coefficient);
@@ -81,7 +83,7 @@ def _problems(c) -> List[str]:
     need(not c.apply_residual_connection_post_layernorm,
          "apply_residual_connection_post_layernorm=True")
     need(not c.fp8 and not getattr(c, "fp4", None), "fp8/fp4 (tonp computes in fp32/bf16)")
-    need(c.params_dtype in (torch.float32, torch.bfloat16),
+    need(c.params_dtype in tk.FLOAT_DTYPES,
          f"params_dtype={c.params_dtype} (float32 or bfloat16)")
     need(not c.sequence_parallel, "sequence_parallel=True (the megatron modules keep whole "
          "activations per TP rank; tonp's own model has SP)")
@@ -137,8 +139,7 @@ def transformer_config_from_qwen3(cfg: Qwen3MoeConfig, dtype: Optional[torch.dty
     """A megatron-core TransformerConfig with `cfg`'s shapes and numerics (TP/EP sizes and
     other megatron knobs via `overrides`, e.g. tensor_model_parallel_size=2)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    dtype = dtype or (cfg.dtype if cfg.dtype in (torch.float32, torch.bfloat16)
-                      else torch.float32)
+    dtype = dtype or (cfg.dtype if cfg.dtype in tk.FLOAT_DTYPES else torch.float32)
     n = cfg.num_hidden_layers
     sparse = [1 if cfg.is_sparse_layer(i) else 0 for i in range(n)]
     kw = dict(

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+import tonp_kernels as tk
 from tonp_parallel import ParallelGroups, group_size, validate_model_layout
 from tonp_parallel.context import ContextSplit, positions_of
 from tonp_parallel.layout import stage_layers
@@ -87,7 +88,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype = torch.float32, groups=None):
         super().__init__()
-        if dtype not in (torch.float32, torch.bfloat16):
+        if dtype not in tk.FLOAT_DTYPES:
             raise TypeError(f"Qwen3MoeForCausalLM: dtype must be float32 or bfloat16, got {dtype}")
         config.validate()
         groups = ParallelGroups.single() if groups is None else groups
@@ -350,8 +351,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         from .checkpoint import load_checkpoint
         config = Qwen3MoeConfig.from_hf(path)
         if dtype is None:
-            dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16) \
-                else torch.float32
+            dtype = config.dtype if config.dtype in tk.FLOAT_DTYPES else torch.float32
         with torch.device("meta"):
             model = cls(config, dtype=dtype, groups=groups)
         model.to_empty(device="cpu")

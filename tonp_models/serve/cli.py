@@ -70,6 +70,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                     help="a host name the Host / Origin headers may name besides localhost, "
                     "127.0.0.1 and [::1] (e.g. a proxy's; '*': any)")
+    ap.add_argument("--allowed-master-address", action="append", default=[], metavar="ADDR",
+                    help="an address /init_weights_update_group's master_address may name on a "
+                    "loopback bind besides loopback ones and --allowed-host names (every "
+                    "server rank connects there; '*': any)")
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="the largest request body (default: max(4 MiB, 64 x max-model-len))")
     args = ap.parse_args(argv)
@@ -227,6 +231,7 @@ def _serve_ranks(args, groups) -> None:
                     args.max_prompt_chars)
     st.security = Security.for_server(args.host, api_keys=args.api_key or (),
                                       allowed_hosts=args.allowed_host,
+                                      master_addresses=args.allowed_master_address,
                                       max_body_bytes=args.max_body_bytes or
                                       default_body_limit(context))
     serve(st, args.host, args.port, args.graceful_timeout)

@@ -4,11 +4,12 @@ weight updates. Standard library only (urllib), so an RL trainer needs nothing m
     client = RolloutClient("http://127.0.0.1:8000")     # api_key: default the env TONP_API_KEY
     client.update_weights(model_dir)               # after model.save_pretrained(model_dir)
     out = client.generate(prompts, 32, temperature=1.0, seed=7, eos_token_id=eos,
-                          request_ids=range(len(prompts)))   # a tonp_models.GenerationOutput
+                          request_ids=range(len(prompts)))   # a ServedOutput
+    out.weight_versions                            # per request: the weights that generated it
 
-With the same weights and arguments, `out` is bit for bit what `tonp_models.generate` returns
-(tokens, fp32 logprobs, finish reasons): the server's engine is the same, and JSON carries each
-fp32 logprob exactly.
+With the same weights and arguments, `out` (a tonp_models.GenerationOutput) is bit for bit what
+`tonp_models.generate` returns (tokens, fp32 logprobs, finish reasons): the server's engine is
+the same, and JSON carries each fp32 logprob exactly.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import os
 import time
 import urllib.error
 import urllib.request
-from typing import Iterable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -30,6 +32,13 @@ class ServerError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+
+
+@dataclass
+class ServedOutput(GenerationOutput):
+    """`GenerationOutput` with, per request, the server's weight version that generated it
+    (an update drains the running requests first: one version per request)."""
+    weight_versions: List[int] = field(default_factory=list)
 
 
 class RolloutClient:
@@ -77,8 +86,9 @@ class RolloutClient:
                  top_p: Optional[float] = None, seed: int = 0,
                  eos_token_id: Union[int, Sequence[int], None] = None,
                  stop_token_ids: Optional[Sequence[int]] = None,
-                 request_ids: Optional[Iterable[int]] = None) -> GenerationOutput:
-        """`tonp_models.generate`'s arguments and result, rolled out by the server."""
+                 request_ids: Optional[Iterable[int]] = None) -> ServedOutput:
+        """`tonp_models.generate`'s arguments and result, rolled out by the server; the result
+        also names each request's weight version."""
         start = time.perf_counter()
         prompts = [[int(t) for t in p] for p in prompts]
         eos = _ids(eos_token_id)
@@ -91,7 +101,7 @@ class RolloutClient:
         if request_ids is not None:
             body["request_ids"] = [int(i) for i in request_ids]
         results = self._call("/generate", body) if prompts else []
-        seqs, lps, reasons = [], [], []
+        seqs, lps, reasons, versions = [], [], [], []
         stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
         for p, res in zip(prompts, results):
             ids, meta = res["output_ids"], res["meta_info"]
@@ -104,12 +114,13 @@ class RolloutClient:
             elif kind != "length":
                 raise ServerError(500, f"request {res['index']} ended with {meta['finish_reason']}")
             reasons.append(kind)
+            versions.append(int(meta["weight_version"]))
             stats.cached_tokens += meta["cached_tokens"]
             stats.prefill_tokens += len(p) - meta["cached_tokens"]   # as the engine counts
             stats.decode_tokens += max(len(ids) - 1, 0)              # (without preemption)
             stats.new_tokens += len(ids)
         stats.seconds = time.perf_counter() - start
-        return GenerationOutput(seqs, lps, [len(p) for p in prompts], reasons, stats)
+        return ServedOutput(seqs, lps, [len(p) for p in prompts], reasons, stats, versions)
 
 
 def _ids(x) -> set:

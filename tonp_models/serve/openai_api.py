@@ -19,12 +19,19 @@ from .text import Detokenizer
 router = APIRouter()
 
 
-@router.post("/v1/completions")
-async def completions(http: Request):
+async def _admit(http: Request, model):
+    """The server's state and the body parsed as `model`, for this server's model name, with
+    vLLM's unimplemented extras at neutral values (else 400 naming the field)."""
     st = state(http)
-    body: CompletionRequest = await parse(http, CompletionRequest)
+    body = await parse(http, model)
     check_model(st, body.model)
     refuse_unsupported(body)
+    return st, body
+
+
+@router.post("/v1/completions")
+async def completions(http: Request):
+    st, body = await _admit(http, CompletionRequest)
     p = body.prompt
     prompts = [("the prompt", p)] if isinstance(p, str) else \
         [("prompt", list(p))] if not p or isinstance(p[0], int) else \
@@ -45,10 +52,7 @@ async def completions(http: Request):
 
 @router.post("/v1/chat/completions")
 async def chat(http: Request):
-    st = state(http)
-    body: ChatRequest = await parse(http, ChatRequest)
-    check_model(st, body.model)
-    refuse_unsupported(body)
+    st, body = await _admit(http, ChatRequest)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     check_text(st, "".join(str(m.get("content", "")) for m in messages), "the messages",
                "messages")

@@ -28,15 +28,17 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """Every request body's base (all dialects): an unknown field or a value of the wrong type
+    is a 400 naming it, never ignored or coerced."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields every OpenAI endpoint shares: OpenAI's, and vLLM's sampling extras with their
     vLLM names and JSON types. Those tonp does not implement are accepted at their neutral
     value only (`NEUTRAL`), refused by name otherwise."""
@@ -96,7 +98,7 @@ class CompletionRequest(_Sampling):
     prompt_embeds: Optional[Union[str, List[str]]] = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: Union[str, List[Dict], None] = None
     name: Optional[str] = None
@@ -172,10 +174,6 @@ NEUTRAL = {
     "reasoning_effort": (_is(None), "null"),
     "include_reasoning": (_is(True), "true"),
 }
-
-
-class UpdateWeightsRequest(_Body):
-    model_path: str
 
 
 # -- translation ------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ docs/serving.md, "Security"). In the order it checks, each refusal an OpenAI-sty
    read here and handed on whole; a client that disconnects mid-upload is one log line.
 6. Errors: an exception the app did not turn into a response becomes a 500 whose body says
    "internal server error (see the server log, id X)"; the log has X and the traceback.
+
+Beside the guard, `Security.sync_address_ok` is the rule /init_weights_update_group applies to
+its master_address (weights_api.py): a server bound to loopback connects its ranks only to
+loopback addresses, --allowed-host names and --allowed-master-address ones.
 """
 from __future__ import annotations
 
@@ -70,17 +74,23 @@ class Security:
     hosts: the host names a Host header may name (None: any).
     origins: the host names a browser Origin may name on a state-changing request (None: any).
     max_body_bytes: the largest request body.
+    sync_hosts: the addresses besides loopback ones a weight-update group's master_address may
+        name (None: any).
     """
     api_keys: Tuple[bytes, ...] = ()
     hosts: Optional[FrozenSet[str]] = LOOPBACK_HOSTS
     origins: Optional[FrozenSet[str]] = LOOPBACK_HOSTS
     max_body_bytes: int = 4 << 20
+    sync_hosts: Optional[FrozenSet[str]] = frozenset()
 
     @classmethod
     def for_server(cls, bind_host: str, *, api_keys: Iterable[str] = (),
-                   allowed_hosts: Iterable[str] = (), max_body_bytes: int) -> "Security":
+                   allowed_hosts: Iterable[str] = (), max_body_bytes: int,
+                   master_addresses: Iterable[str] = ()) -> "Security":
         """The policy of a server bound to `bind_host`: the Host check when that is loopback or
-        `allowed_hosts` are named ("*": any host, no Host nor Origin check)."""
+        `allowed_hosts` are named ("*": any host, no Host nor Origin check); a weight-update
+        group's master_address: loopback, `allowed_hosts` or `master_addresses` when bound to
+        loopback or `master_addresses` are named ("*" in either: any)."""
         keys = list(api_keys)
         if any(not k.strip() for k in keys):
             raise ValueError("--api-key: an empty key would let everyone in")
@@ -88,13 +98,21 @@ class Security:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         extra = frozenset(hostname(h) for h in allowed_hosts)
         names = None if "*" in extra else LOOPBACK_HOSTS | extra
+        masters = frozenset(hostname(h) for h in master_addresses)
         loopback = is_loopback(bind_host)
         if not keys and not loopback:
             log.warning("tonp serve: bound to %s without --api-key: whoever reaches this port "
                         "can generate and load weights", bind_host)
         return cls(api_keys=tuple(_digest(k) for k in keys),
                    hosts=names if loopback or extra else None, origins=names,
-                   max_body_bytes=max_body_bytes)
+                   max_body_bytes=max_body_bytes,
+                   sync_hosts=None if "*" in extra | masters or not (loopback or masters)
+                   else extra | masters)
+
+    def sync_address_ok(self, address: str) -> bool:
+        """May a weight-update group's store live at `address` (every server rank connects)?"""
+        return self.sync_hosts is None or is_loopback(address) or \
+            hostname(address) in self.sync_hosts
 
     def key_ok(self, authorization: Optional[str]) -> bool:
         scheme, _, token = (authorization or "").partition(" ")

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
-
 from . import formats as fmt
 from .calls import Sampling
-from .protocol import ApiError
+from .protocol import ApiError, Body
 from .text import TextCodec
 
 PerPrompt = Union[Any, List[Any]]   # one value for every prompt, or a list with one per prompt
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class SGLangSampling(_Body):
+class SGLangSampling(Body):
     """SGLang's sampling_params. tonp's own: `seed` (with the position-keyed noise of
     tonp's `request_ids`; give one of seed and sampling_seed)."""
     max_new_tokens: Optional[int] = 128
@@ -54,7 +48,7 @@ class SGLangSampling(_Body):
     seed: Optional[int] = None
 
 
-class SGLangGenerate(_Body):
+class SGLangGenerate(Body):
     """SGLang's GenerateReqInput (the fields its clients send). tonp's own: request_ids, the
     noise key of each prompt x sample (so a batch reproduces `generate(..., request_ids=...)`)."""
     text: Optional[Union[str, List[str]]] = None
@@ -94,7 +88,7 @@ class SGLangGenerate(_Body):
     bootstrap_room: Optional[Any] = None
 
 
-class AbortRequest(_Body):
+class AbortRequest(Body):
     """SGLang's /abort_request: one request by its `rid`, or every /generate request."""
     rid: Optional[str] = ""
     abort_all: bool = False

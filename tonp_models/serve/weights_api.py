@@ -6,7 +6,7 @@ the trainer side is weight_sync.WeightSender). Every update drains running reque
 
 Replies are SGLang's {"success", "message"} plus tonp's "weight_version" and "seconds"; the
 status is 200, a 4xx when the update was refused with nothing changed (403: outside
---allowed-weights-dir), 500 when it failed part-way (the server is then unhealthy until a good
+--allowed-weights-dir; 400: a master_address security.py does not allow), 500 when it failed part-way (the server is then unhealthy until a good
 update), 503 when the engine is not running.
 """
 from __future__ import annotations
@@ -18,21 +18,16 @@ from typing import List, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from .calls import parse, state
-from .protocol import ApiError
+from .protocol import ApiError, Body
 from .service import UpdateResult, WeightsRefused
 from .weight_sync import DEFAULT_GROUP
 
 router = APIRouter()
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Update(_Body):
+class _Update(Body):
     """Fields SGLang's update requests share. weight_version: the version after the update
     (an int, or a string of one; default: the current one + 1). flush_cache: accepted either
     way; tonp always drops the prefix cache when weights change (its K/V are stale).
@@ -48,7 +43,7 @@ class DiskUpdate(_Update):
     model_path: str
 
 
-class InitGroup(_Body):
+class InitGroup(Body):
     master_address: str
     master_port: int
     rank_offset: int
@@ -64,7 +59,7 @@ class DistributedUpdate(_Update):
     group_name: str = DEFAULT_GROUP
 
 
-class DestroyGroup(_Body):
+class DestroyGroup(Body):
     group_name: str = DEFAULT_GROUP
 
 
@@ -114,7 +109,13 @@ async def update_weights(http: Request):
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(http: Request):
     b: InitGroup = await parse(http, InitGroup)
-    service = state(http).service
+    st = state(http)
+    if not st.security.sync_address_ok(b.master_address):
+        raise ApiError(400, f"master_address {b.master_address!r} is not a loopback address, "
+                            f"and this server connects its ranks elsewhere only to the "
+                            f"addresses --allowed-host or --allowed-master-address name",
+                       "master_address")
+    service = st.service
     return await _reply(http, lambda v: service.run_everywhere(
         "init_group", b.master_address, b.master_port, b.rank_offset, b.world_size,
         b.group_name, b.backend), _Update())
