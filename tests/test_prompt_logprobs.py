@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tonp_kernels as tk
-from conftest import assert_bitwise
+from conftest import assert_bitwise, num_threads
 from test_generation import prompts, tiny_model
 from tonp_models.engine import Engine, Request, SamplingParams
 
@@ -81,17 +81,21 @@ def test_max_new_tokens_0_scores_the_prompt_only():
 
 
 def test_twin_stock_ops_change_a_sequences_logprobs_with_its_batch():
-    """Stock ops (MKL GEMMs blocked by M, stock softmax) give a sequence other bits in some batch
-    arrangement; tonp's kernels give the same bits in every one."""
+    """Stock ops (MKL GEMMs split by M over 2 threads) give a sequence other bits in some batch
+    arrangement (at 1 thread MKL happens to agree on this tiny model); tonp's kernels give the
+    same bits in every one, at 1 and 2 threads."""
     model = tiny_model(torch.float32)
     p, *others = prompts((45, 70, 9, 33, 101), seed=31)
     batches = [[p] + others[:k] for k in range(1, len(others) + 1)] + [others[::-1] + [p]]
-    with tk.use("torch"), torch.no_grad():
+    with tk.use("torch"), torch.no_grad(), num_threads(2):
         alone = model.token_logprobs([p])[0]
         stock = [model.token_logprobs(b)[[x is p for x in b].index(True)] for b in batches]
     assert any(not torch.equal(alone, s) for s in stock), \
         "precondition: stock ops gave the same bits in every batch"
     with torch.no_grad():   # tonp's kernels: the same bits either way
-        alone = model.token_logprobs([p])[0]
-        for b in batches:
-            assert torch.equal(alone, model.token_logprobs(b)[[x is p for x in b].index(True)])
+        mine = model.token_logprobs([p])[0]
+    for threads in (1, 2):
+        with torch.no_grad(), num_threads(threads):
+            for b in batches:
+                got = model.token_logprobs(b)[[x is p for x in b].index(True)]
+                assert torch.equal(mine, got), f"{threads} thread(s), batch of {len(b)}"
