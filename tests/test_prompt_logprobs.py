@@ -99,3 +99,38 @@ def test_twin_stock_ops_change_a_sequences_logprobs_with_its_batch():
             for b in batches:
                 got = model.token_logprobs(b)[[x is p for x in b].index(True)]
                 assert torch.equal(mine, got), f"{threads} thread(s), batch of {len(b)}"
+
+def _scored_after_a_hit(model, a, b):
+    """Prompt b's logprobs as an engine that reads them off its prefill would get them after a
+    prefix-cache hit on a (vLLM's way): b's rows past the cached prefix fed through the cache."""
+    from test_engine import _feed
+    from tonp_models.engine import PageAllocator, PrefixCache
+    cache = PageAllocator(model.new_cache(4, 64))
+    prefix = PrefixCache(cache)
+    _feed(model, cache, prefix, a)
+    logits, n = _feed(model, cache, prefix, b)                  # rows n.. of b, cache hit
+    lsm = torch.log_softmax(logits[:-1].double(), -1).float()  # stock log-softmax either way
+    return lsm.gather(1, torch.tensor(b[n + 1:]).unsqueeze(1)).squeeze(1), n
+
+
+def test_twin_stock_ops_score_a_prompt_differently_after_a_cache_hit():
+    """The seam scores the prompt with one forward without the cache, so a hit cannot change
+    its bits. Reading them off a cached prefill instead keeps them only on tonp's kernels:
+    with stock ops the rows after the hit differ from the training forward (at any thread
+    count: the attention over cached pages is another computation)."""
+    model = tiny_model(torch.float32)
+    a = prompts((40,), seed=4)[0].tolist()
+    b = a + [9, 8, 7, 6, 5, 4]
+
+    def pair():
+        hit, n = _scored_after_a_hit(model, a, b)
+        train = torch.log_softmax(model(torch.tensor(b), torch.tensor(
+            [0, len(b)], dtype=torch.int32)).double(), -1).float()
+        return hit, train[n:-1].gather(1, torch.tensor(b[n + 1:]).unsqueeze(1)).squeeze(1)
+    with tk.use("torch"), torch.no_grad():
+        hit, train = pair()
+    assert len(hit) == 5 and not torch.equal(hit, train), \
+        "precondition: stock ops agreed after a hit"
+    with torch.no_grad():
+        hit, train = pair()
+    assert torch.equal(hit, train)
