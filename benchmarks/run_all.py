@@ -311,6 +311,8 @@ def main(argv=None) -> dict:
                     help="skip parallel_bench.py (PP / CP against PP 1 / CP 1)")
     ap.add_argument("--skip-train", action="store_true",
                     help="skip train_bench.py (training step vs forward and torch)")
+    ap.add_argument("--skip-decode", action="store_true",
+                    help="skip benchmarks/decode_bench.py (batched decode; vLLM when installed)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
                     help="rebuild the report of a stored run (e.g. benchmarks/results/latest.json)"
                          ", re-measuring only the machine's limits (best of stored and new)")
@@ -355,6 +357,11 @@ def main(argv=None) -> dict:
             t = run_peer("train_bench.py", [] if mode == "full" else ["--quick"],
                          "train.md" if mode == "full" else "train_quick.md", 1800)
             extra += [("Training speed (benchmarks/train_bench.py)", t[1])] if t else []
+        if not args.skip_decode:      # vLLM's CPU build as the peer where `make peer-vllm` ran
+            d = run_peer("decode_bench.py", ["--peer"] if mode == "full" else
+                         ["--quick", "--peer", "--peer-eager"],
+                         "decode.md" if mode == "full" else "decode_quick.md", 3600)
+            extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
     store["targets"] = all_targets(cases, runs, machine)
