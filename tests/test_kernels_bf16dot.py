@@ -154,12 +154,14 @@ def pair_linear_reference(x, w, bias=None, chunks=8, out_dtype=None):
 @pytest.mark.parametrize("K,N", [(24, 37), (40, 16), (104, 21), (768, 20), (2048, 33)])
 def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
     """kc = 3, 5, 13 (odd chunk starts, padded blocks), 96 and 256 (the model's)."""
-    x = randn(21, K, dtype=torch.bfloat16, gen=gen)
+    x = randn(53, K, dtype=torch.bfloat16, gen=gen)
     w = randn(N, K, dtype=torch.bfloat16, gen=gen, scale=K ** -0.5)
     bias = randn(N, dtype=torch.bfloat16, gen=gen)
     for out in (torch.float32, torch.bfloat16):
         want = pair_linear_reference(x, w, bias, out_dtype=out)
-        for M in (1, 2, 3, 9, 21):  # dot products, lane passes (from 4 rows on vdpbf16ps, 20 emulated)
+        # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, an odd row alone;
+        # emulated: tiles of 3), lane passes (from 48 rows on vdpbf16ps, 20 emulated)
+        for M in (1, 2, 3, 5, 7, 8, 9, 15, 21, 47, 48, 53):
             got = tk.linear(x[:M], w, bias, out_dtype=out)
             assert torch.equal(_bits(got), _bits(want[:M])), f"M={M} out={out}"
 
@@ -179,13 +181,13 @@ def _hostile(M, K, gen):
 
 @pytest.mark.parametrize("K,N", [(64, 37), (2048, 48), (40, 16)])
 def test_linear_builds_agree_on_hostile_inputs(K, N, gen):
-    x = _hostile(30, K, gen)
+    x = _hostile(50, K, gen)
     w = _hostile(N, K, gen)
     w[:, 1::2] = w[:, 0::2]
     outs = {}
     for name, (var, val) in BUILDS.items():
         with env(var, val):
-            outs[name] = [tk.linear(x[:m], w, out_dtype=torch.float32) for m in (1, 2, 30)]
+            outs[name] = [tk.linear(x[:m], w, out_dtype=torch.float32) for m in (1, 2, 7, 30, 50)]
     for name, got in outs.items():
         for a, b in zip(got, outs["portable"]):
             assert torch.equal(_bits(a), _bits(b)), f"{name} differs from portable"

@@ -14,15 +14,21 @@ static inline __m256 hw_step(__m256 acc, __m256i a, __m256i b) {
 }
 
 // Few rows: an MR x NR tile, each output's eight lanes in one ymm (the same lanes as bf16dot.h).
+// prefetch_ahead: weight rows past the tile's to fetch at each k (the next tile's: a weight row
+// is a page or two, too short for the hardware streams to ramp up; a hint, no arithmetic).
 template <int MR, int NR>
 static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
-                               int chunks, float* out, int64_t ldo) {
+                               int chunks, float* out, int64_t ldo, int64_t prefetch_ahead) {
   constexpr int NT = MR * NR;
   float part[tonp::kMaxChunks][NT];
   for (int c = 0; c < chunks; ++c) {
     __m256 acc[NT];
     for (int i = 0; i < NT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < kc; k += 16) {
+      if (prefetch_ahead && (k & 31) == 0)  // once per cache line; integer addresses (never faults)
+        for (int n = 0; n < NR; ++n)
+          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) +
+                                                 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k)));
       __m256i xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * ldx + c * xkc + k));
       for (int n = 0; n < NR; ++n) {
@@ -37,15 +43,64 @@ static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, cons
   tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
 }
 
+// The same outputs for 2 * MP rows, two rows per zmm: lanes 0-7 hold row 2p's eight lanes of an
+// output, lanes 8-15 row 2p + 1's, the weight block broadcast to both halves. vdpbf16ps is
+// lane-wise, so each output's lanes see exactly the ymm tile's steps, in the same block order,
+// closed by the same tile_hsum and chunk tree; a zmm does two rows' work per instruction.
+template <int MP, int NR>
+static inline void hw_dot_tile2(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
+                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead) {
+  constexpr int MR = 2 * MP, NT = MR * NR;
+  float part[tonp::kMaxChunks][NT];
+  for (int c = 0; c < chunks; ++c) {
+    __m512 acc[MP * NR];
+    for (int i = 0; i < MP * NR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 16) {
+      if (prefetch_ahead && (k & 31) == 0)
+        for (int n = 0; n < NR; ++n)
+          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) +
+                                                 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k)));
+      __m512i xv[MP];
+      for (int p = 0; p < MP; ++p) {
+        const uint16_t* xr = x + 2 * p * ldx + c * xkc + k;
+        xv[p] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + ldx)), 1);
+      }
+      for (int n = 0; n < NR; ++n) {
+        const __m256i w8 = hw_block16(w + n * ldw + c * kc + k, kc - k);
+        const __m512i wv = _mm512_broadcast_i64x4(w8);
+        for (int p = 0; p < MP; ++p)
+          acc[p * NR + n] = _mm512_dpbf16_ps(acc[p * NR + n], reinterpret_cast<const __m512bh&>(xv[p]),
+                                             reinterpret_cast<const __m512bh&>(wv));
+      }
+    }
+    V8 av[NT];
+    for (int p = 0; p < MP; ++p)
+      for (int n = 0; n < NR; ++n) {
+        av[(2 * p) * NR + n].v = _mm512_castps512_ps256(acc[p * NR + n]);
+        av[(2 * p + 1) * NR + n].v = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p * NR + n]), 1));
+      }
+    tile_hsum<NT>(av, part[c]);
+  }
+  tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
+}
+
+// All ncols <= kPanelPairs columns of MR rows (out: [MR, kPanelPairs]). Each tile prefetches
+// the next tile's weight rows (the panel's last tile: rows past it, the next panel's or past W).
 template <int MR>
 static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
                                int chunks, int ncols, float* out) {
   constexpr int64_t ld = tonp::kPanelPairs;
   int n = 0;
-  if (MR == 1)
-    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
-  for (; n + 4 <= ncols; n += 4) hw_dot_tile<MR, 4>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
-  for (; n < ncols; ++n) hw_dot_tile<MR, 1>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld);
+  if constexpr (MR == 1) {
+    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 8);
+  } else if constexpr (MR % 2 == 0) {
+    for (; n + 4 <= ncols; n += 4) hw_dot_tile2<MR / 2, 4>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 4);
+    for (; n < ncols; ++n) hw_dot_tile2<MR / 2, 1>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 0);
+    return;
+  }
+  for (; n + 4 <= ncols; n += 4) hw_dot_tile<MR, 4>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 4);
+  for (; n < ncols; ++n) hw_dot_tile<MR, 1>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 0);
 }
 
 // In place: r[i] dword j <- r[j] dword i (a 16 x 16 transpose of 32-bit pairs; moves, no arithmetic).
@@ -175,9 +230,28 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
     return;
   }
   float* res = scratch;
-  for_row_tiles<3>(rows, [&](int64_t r, auto mr) {
-    hw_dot_cols<mr()>(x + r * ldx, ldx, xkc, W, ldw, kc, chunks, ncols, res + r * WP);
-  });
+  // Eight columns at a time (their weight rows stay in L1), every row tile over them: tiles of up
+  // to 8 rows (two per zmm), the odd row alone; so any row count streams the weights once.
+  for (int n0 = 0; n0 < ncols; n0 += 8) {
+    const int nc = std::min(8, ncols - n0);
+    const uint16_t* w = W + n0 * ldw;
+    int64_t r = 0;
+    auto tile = [&](auto mr) {
+      hw_dot_cols<mr()>(x + r * ldx, ldx, xkc, w, ldw, kc, chunks, nc, res + r * WP + n0);
+      r += mr();
+    };
+    while (rows - r >= 8) tile(std::integral_constant<int, 8>());
+    switch (rows - r) {
+      case 7: tile(std::integral_constant<int, 6>()); tile(std::integral_constant<int, 1>()); break;
+      case 6: tile(std::integral_constant<int, 6>()); break;
+      case 5: tile(std::integral_constant<int, 4>()); tile(std::integral_constant<int, 1>()); break;
+      case 4: tile(std::integral_constant<int, 4>()); break;
+      case 3: tile(std::integral_constant<int, 2>()); tile(std::integral_constant<int, 1>()); break;
+      case 2: tile(std::integral_constant<int, 2>()); break;
+      case 1: tile(std::integral_constant<int, 1>()); break;
+      default: break;
+    }
+  }
   pair_store(res, WP, rows, ncols, bias, out, ldo, oelem);
 }
 

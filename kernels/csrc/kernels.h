@@ -16,7 +16,7 @@ constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
-constexpr int kLaneRowsPairs = 4;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
+constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
@@ -49,9 +49,10 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
-// Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 4 rows
-// (its dot products close each output with a horizontal sum per chunk), emulated from 20 (like
-// bf16 weights on fp32 FMAs: unpacking a chunk to fp32 costs what few rows do not amortise).
+// Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 48 rows
+// (its dot products run two rows per zmm and stream the weights once for every row, while the
+// lane passes' packing pass costs what fewer rows do not amortise: measured on AMD Zen 5, 4-8 rows
+// 4x faster as dot products), emulated from 20 (unpacking a chunk to fp32 costs the same).
 // Measured on the project's CPU; the choice never changes a bit.
 inline bool bf16_lane_passes(int64_t rows, bool hw) { return rows >= (hw ? kLaneRowsPairs : kLaneRowsPairsEmu); }
 
