@@ -8,7 +8,8 @@ against the machine's bound and, when installed, vLLM's CPU engine on the same c
 Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eos ignored):
   * tonp's decode-step tokens/s (median step after the prefill forward) and its fraction of the
     step's bound: the larger of its bytes over the read bandwidth probed in this run (weights the
-    batch touches + KV) and its FLOPs over the best fp32 GEMM rate measured in this run;
+    batch touches + KV) and its FLOPs over the dtype's best GEMM rate measured in this run
+    (fp32: MKL's or tonp's; bf16: stock torch's matmul or tonp's linear);
   * the engine's own time per step outside the model's forward (scheduling, input building,
     sampling: the Python overhead), reported apart;
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
@@ -163,11 +164,29 @@ class Peer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def bf16_gemm_GFLOPs(size: str) -> dict:
+    """bf16 x bf16 GEMM GFLOP/s of this process's threads: stock torch's matmul (oneDNN; AMX
+    where the CPU has it) and tonp's linear (vdpbf16ps pair chains where the CPU has them), at
+    M=512, K=2048, N=2048 (N 256 for --smoke); the faster is the bf16 compute bound (on a CPU
+    with AVX512-BF16 or AMX it is above the fp32 rate, so fp32's rate is no bound for bf16)."""
+    from benchlib import timeit
+    M, K, N = (64, 256, 256) if size == "smoke" else (512, 2048, 2048)
+    x, w = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16()
+    kw = dict(repeat=3, max_total_s=2 if size == "smoke" else 6, stat="min")
+    with tk.use("torch"):
+        stock = 2 * M * K * N / timeit(lambda: torch.mm(x, w.t()), **kw).seconds / 1e9
+    own = 2 * M * K * N / timeit(lambda: tk.linear(x, w), **kw).seconds / 1e9
+    return {"gemm_bf16_GFLOPs": max(stock, own), "gemm_bf16_stock_GFLOPs": stock,
+            "gemm_bf16_tonp_GFLOPs": own}
+
+
 def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float) -> dict:
-    """The step's time at the memory bound and at the compute bound; the larger one binds."""
+    """The step's time at the memory bound and at the compute bound (FLOPs over the dtype's
+    best GEMM rate); the larger one binds."""
     nbytes = roofline.decode_bytes(cfg, 2 if dtype == "bf16" else 4, batch, context)
     mem_s = nbytes / (read_GBs * 1e9)
-    cmp_s = batch * roofline.flops_per_token(cfg, context) / (machine["gemm_fp32_GFLOPs"] * 1e9)
+    rate = machine["gemm_bf16_GFLOPs" if dtype == "bf16" else "gemm_fp32_GFLOPs"]
+    cmp_s = batch * roofline.flops_per_token(cfg, context) / (rate * 1e9)
     return {"mem_s": mem_s, "compute_s": cmp_s, "kind": "memory" if mem_s >= cmp_s else "compute",
             "bound_s": max(mem_s, cmp_s)}
 
@@ -181,9 +200,12 @@ def main(argv=None) -> dict:
     cfg = make_config(a)
     meta = machine_meta()
     meta["isa"] = tk.isa()
-    machine = roofline.measure_machine("smoke" if a.smoke else "quick" if a.quick else "full")
+    size = "smoke" if a.smoke else "quick" if a.quick else "full"
+    machine = roofline.measure_machine(size)
+    machine.update(bf16_gemm_GFLOPs(size))
     log(f"decode_bench: {meta['cpu']}, isa {meta['isa']}, {meta['threads']} threads; read "
-        f"{machine['read_GBs']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_GFLOPs']:.0f} GFLOP/s")
+        f"{machine['read_GBs']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_GFLOPs']:.0f} GFLOP/s, "
+        f"bf16 GEMM {machine['gemm_bf16_GFLOPs']:.0f} GFLOP/s")
     use_peer = a.peer and PEER_PY.exists()
     peer_note = "" if use_peer else ("not installed (make peer-vllm)" if not PEER_PY.exists()
                                      else "not asked (--peer)")
@@ -255,12 +277,13 @@ def main(argv=None) -> dict:
           f"{meta['threads']} threads; model: {'tiny' if a.smoke else '30B-A3B shapes'}, "
           f"{cfg.num_hidden_layers} layer(s), vocab {cfg.vocab_size}; prompts {a.prompt_len} "
           f"tokens, {a.new} greedy new; read "
-          f"bandwidth {machine['read_GBs']:.1f} GB/s, fp32 GEMM {machine['gemm_fp32_GFLOPs']:.0f}"
-          f" GFLOP/s (best of MKL and tonp). vLLM: {data.get('vllm_version') or peer_note}"
+          f"bandwidth {machine['read_GBs']:.1f} GB/s, GEMM fp32 {machine['gemm_fp32_GFLOPs']:.0f} / "
+          f"bf16 {machine['gemm_bf16_GFLOPs']:.0f} GFLOP/s (best of stock torch and tonp each). "
+          f"vLLM: {data.get('vllm_version') or peer_note}"
           f"{' (eager)' if data.get('vllm_eager') else ''}.\n"
           f"{busy_warning(meta)}\n\n" + md_table(head, rows) + "\n\n'of bound': the step's "
-          "bound (bytes over the read bandwidth probed after the batch, or FLOPs over the GEMM "
-          "rate, whichever is larger) over the measured decode step. 'engine overhead': the "
+          "bound (bytes over the read bandwidth probed after the batch, or FLOPs over the dtype's "
+          "GEMM rate, whichever is larger) over the measured decode step. 'engine overhead': the "
           "median step's time outside the model's forward. e2e: generated tokens over one "
           "generate call's wall time, prefill included, best of the rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
