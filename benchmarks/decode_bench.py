@@ -104,6 +104,7 @@ class Peer:
 
     def __init__(self, ckpt: str, dtype: str, max_len: int, max_seqs: int, eager: bool):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.pop("PYTHONPATH", None)         # vLLM's venv imports nothing of this checkout
         pre = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if
                os.path.exists(p)]
         if pre:
