@@ -5,6 +5,7 @@ give the right gradients; bad layouts fail clearly; a failing rank fails the run
 Process spawns cost seconds each, so one spawned run per world size does every check and the
 parent process compares the results.
 """
+import os
 import time
 
 import pytest
@@ -369,3 +370,40 @@ def _rank1_raises():
     if groups.tp_rank == 1:
         raise ValueError("rank 1 is broken")
     tpar.tree_all_reduce(torch.ones(3), groups.tp_group)  # would wait forever for rank 1
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _teardown_threads(plain: bool):
+    """(threads before init_parallel, with its groups live, after the teardown) on this rank."""
+    torch.ones(64, 64) @ torch.ones(64, 64)   # the intra-op pool exists before the count
+    before = _threads()
+    groups = tpar.init_parallel(tp=2, ep=2)
+    tpar.tree_all_reduce(torch.ones(3), groups.tp_group)
+    live = _threads()
+    groups = None
+    if plain:
+        dist.destroy_process_group()
+        after = _threads()
+        tpar.destroy_parallel()          # this rank still ends cleanly
+    else:
+        tpar.destroy_parallel()
+        after = _threads()
+    return before, live, after
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.timeout(120)
+def test_destroy_parallel_joins_gloo_threads_before_the_interpreter_exits():
+    """destroy_parallel stops every gloo worker thread at once; destroy_process_group alone
+    leaves those of init_parallel's groups running into the interpreter's teardown, where a
+    serve follower rank once aborted ("terminate called without an active exception")."""
+    for (before, live, after) in run_distributed(_teardown_threads, 2, False, timeout=90,
+                                                 init=False):
+        assert live > before and after == before, (before, live, after)
+    for (before, live, after) in run_distributed(_teardown_threads, 2, True, timeout=90,
+                                                 init=False):
+        assert after > before, ("destroy_process_group alone joined gloo's threads: the twin "
+                                "no longer shows why destroy_parallel exists", before, after)

@@ -9,17 +9,17 @@ collectives.
 
 The sum over ranks is always the contract's fixed pairwise tree in group-rank order (see
 collectives.py), so a row-parallel layer at TP = t gives the bits of the TP = 1 kernel.
-Modules: groups.py (rank layout, ParallelGroups, init_parallel), layout.py (the layout rules,
-stage_layers), collectives.py (tree all-reduce / reduce-scatter), regions.py (autograd pairs),
-sharding.py (Shard, parameter_shards), sequence.py (SequenceSplit: SP), context.py
-(ContextSplit: CP), pipeline.py (PipeComm, the 1F1B and forward-only schedules), launch.py
+Modules: groups.py (rank layout, ParallelGroups, init_parallel, destroy_parallel), layout.py
+(the layout rules, stage_layers), collectives.py (tree all-reduce / reduce-scatter), regions.py
+(autograd pairs), sharding.py (Shard, parameter_shards), sequence.py (SequenceSplit: SP),
+context.py (ContextSplit: CP), pipeline.py (PipeComm, the 1F1B and forward-only schedules), launch.py
 (spawned local worlds). The design and its measurements: docs/parallelism.md.
 """
 from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all_gather_stacked,
                           clear_workspace, group_device, group_rank, group_size, tree_all_reduce,
                           tree_order_sum, tree_reduce_scatter)
-from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, init_parallel,
-                     rank_layout)
+from .groups import (ParallelGroups, RankLayout, check_layout, default_backend, destroy_parallel,
+                     init_parallel, rank_layout)
 from .context import ContextSplit
 from .layout import stage_layers, validate_model_layout
 from .pipeline import PipeComm, StageFailed, run_1f1b, run_forward
@@ -29,8 +29,8 @@ from .regions import (all_gather_to_region, all_to_all, copy_to_region, gather_f
                       scatter_to_region)
 
 __all__ = [
-    "ParallelGroups", "RankLayout", "init_parallel", "rank_layout", "check_layout",
-    "default_backend", "validate_model_layout", "stage_layers",
+    "ParallelGroups", "RankLayout", "init_parallel", "destroy_parallel", "rank_layout",
+    "check_layout", "default_backend", "validate_model_layout", "stage_layers",
     "ContextSplit", "SequenceSplit", "enter_tp_region", "PipeComm", "StageFailed", "run_1f1b",
     "run_forward",
     "tree_all_reduce", "tree_reduce_scatter", "tree_order_sum", "all_gather_stacked",

@@ -37,6 +37,7 @@ and that is the order of the fixed-order reduction tree and of the pipeline's st
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 from dataclasses import dataclass, field
@@ -341,6 +342,24 @@ def init_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, cp: int = 1, sp: boo
     return ParallelGroups(**kw, model_group=mine["model"], sequence_parallel=sp,
                           pp_layers=layers, rank=rank, world_size=world,
                           backend=dist.get_backend(), device=group_device(dist.group.WORLD))
+
+
+def destroy_parallel() -> None:
+    """End torch.distributed and every group `init_parallel` made, here, while the interpreter is
+    fully alive (call it as a rank's last step; a no-op when nothing is initialised).
+
+    `dist.destroy_process_group()` alone leaves a gloo group's worker threads running for as long
+    as anything refers to the group, and init_parallel's cache does: they were then torn down in
+    the interpreter's finalisation, where a rank can abort with "terminate called without an
+    active exception" (gloo work still holding tensors; pytorch/pytorch#179291). Drop your own
+    references (ParallelGroups, models built on them) before calling it: the collection at the
+    end frees what only cycles still hold."""
+    global _CACHE_WORLD
+    _GROUP_CACHE.clear()
+    _CACHE_WORLD = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _as_timeout(timeout: Union[timedelta, float]) -> timedelta:

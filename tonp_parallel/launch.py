@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .groups import destroy_parallel
+
 
 class DistributedError(RuntimeError):
     """A rank raised (or died); `.rank` is its rank and the message holds its traceback."""
@@ -70,7 +72,7 @@ def _worker(fn, rank, world_size, port, args, backend, init, threads, timeout, e
         torch.save(out, buf)
         if dist.is_initialized():
             dist.barrier()  # nobody tears down the store while another rank still uses it
-            dist.destroy_process_group()
+            destroy_parallel()
         results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 -- every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))

@@ -188,8 +188,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         _serve_ranks(args, groups)
     finally:  # every rank's loop has ended: gloo's threads and rank 0's store stop here, not in
-        if groups is not None:  # the interpreter's teardown (a rank once aborted there at exit)
-            torch.distributed.destroy_process_group()
+        if groups is not None:  # the interpreter's teardown (a rank aborted there at exit)
+            groups = None
+            tpar.destroy_parallel()
 
 
 def _serve_ranks(args, groups) -> None:

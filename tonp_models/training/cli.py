@@ -236,9 +236,13 @@ def run_script(main: Callable[[Optional[Sequence[str]]], Any], prog: str,
     """main(argv); a user error (bad value, missing or bad file, mismatched checkpoint) or a
     collective that failed because a peer rank died or stalled (`peers.peer_failure`) prints
     `prog: error: ...` (one line) on stderr and returns 1 instead of a traceback
-    (TONP_TRACEBACK=1 shows it)."""
+    (TONP_TRACEBACK=1 shows it). When main initialised torch.distributed, its groups end here
+    (`tpar.destroy_parallel`), not in the interpreter's teardown."""
+    started = torch.distributed.is_initialized()
     try:
         main(argv)
+        if not started:
+            tpar.destroy_parallel()
         return 0
     except Exception as e:
         if os.environ.get("TONP_TRACEBACK"):
