@@ -40,12 +40,19 @@ def test_a_failing_or_overlong_section_is_recorded(tmp_path):
         sec.check("one", True)
         sec.check("two", False, "(detail)")
 
+    def wrapped(sec):   # as Triton's interpreter re-raises what a kernel it runs raised
+        try:
+            time.sleep(5)
+        except gpu_check.SectionTimeout as e:
+            raise RuntimeError("InterpreterError('SectionTimeout()')") from e
+
     got = [gpu_check.run_section("boom", lambda sec: 1 / 0, 10, args, far),
            gpu_check.run_section("slow", lambda sec: time.sleep(5), 1.5, args, far),
+           gpu_check.run_section("wrapped", wrapped, 1.5, args, far),
            gpu_check.run_section("late", lambda sec: None, 10, args, time.time()),
            gpu_check.run_section("differs", differs, 10, args, far)]
-    assert [g["status"] for g in got] == ["error", "timeout",
+    assert [g["status"] for g in got] == ["error", "timeout", "timeout",
                                           "skipped: the run's time budget is spent", "differs"]
-    assert "ZeroDivisionError" in got[0]["error"] and got[1]["seconds"] < 4
+    assert "ZeroDivisionError" in got[0]["error"] and got[1]["seconds"] < 4 > got[2]["seconds"]
     md = gpu_check.markdown(got, {"when": "now", "dry": True, "seconds": 1.0})
     assert "ZeroDivisionError" in md and "- two (detail)" in md

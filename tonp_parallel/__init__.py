@@ -12,8 +12,8 @@ collectives.py), so a row-parallel layer at TP = t gives the bits of the TP = 1 
 Modules: groups.py (rank layout, ParallelGroups, init_parallel, destroy_parallel), layout.py
 (the layout rules, stage_layers), collectives.py (tree all-reduce / reduce-scatter), regions.py
 (autograd pairs), sharding.py (Shard, parameter_shards), sequence.py (SequenceSplit: SP),
-context.py (ContextSplit: CP), pipeline.py (PipeComm, the 1F1B and forward-only schedules), launch.py
-(spawned local worlds). The design and its measurements: docs/parallelism.md.
+context.py (ContextSplit: CP), pipeline.py (PipeComm, the 1F1B and forward-only schedules),
+launch.py (spawned local worlds). The design and its measurements: docs/parallelism.md.
 """
 from .collectives import (ALGORITHMS, SMALL_MESSAGE_BYTES, all_gather_along, all_gather_stacked,
                           clear_workspace, group_device, group_rank, group_size, tree_all_reduce,

@@ -188,7 +188,6 @@ def _main_distributed(args, specs, dtype, external) -> int:
         write_external_report(rep, args.out)
         print(format_external(rep))
     dist.barrier()
-    traces = None
     tpar.destroy_parallel()
     return 0
 
