@@ -1,0 +1,250 @@
+// AMX-BF16 (`tdpbf16ps`), measured rather than used: tools for the numerics study of
+// docs/CONTRACT.md ("AMX and the pair chains"), not part of any model op's arithmetic.
+//
+//   amx_available()                  this CPU has AMX-TILE + AMX-BF16 and the kernel granted the
+//                                    process its tile state (arch_prctl ARCH_REQ_XCOMP_PERM)
+//   amx_tdpbf16ps(c, a, b)           one instruction: C [M, N] fp32 += A [M, K pairs] . B [K, N]
+//                                    (M, N, K <= 16), returned as a new tensor
+//   amx_linear_blocks(x, w, chunks)  x [M, K] bf16 . w [N, K]^T -> fp32 [M, N] in the "block
+//                                    chains" order proposed there: per chunk, one C tile
+//                                    accumulated by one tdpbf16ps per 32 elements, then the
+//                                    chunk tree; the prototype behind its throughput figures
+//
+// Only the functions marked TONP_AMX execute tile instructions, and only after amx_available();
+// the rest of the file is compiled for the baseline ISA, so loading the library never needs AMX.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TONP_AMX_BUILD 1
+#define TONP_AMX __attribute__((target("amx-tile,amx-bf16")))
+#else
+#define TONP_AMX_BUILD 0
+#endif
+
+namespace tonp {
+namespace {
+
+#if TONP_AMX_BUILD
+// The tile configuration (palette 1): rows and bytes per row of each of the eight tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int t, int rows_, int colsb_) { rows[t] = uint8_t(rows_), colsb[t] = uint16_t(colsb_); }
+};
+
+bool cpu_reports_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  if (!tile || !bf16) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA enabled by the OS
+}
+#endif
+
+bool amx_available() {
+#if TONP_AMX_BUILD
+  static const bool ok = [] {
+    if (!cpu_reports_amx_bf16()) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void require_amx(const char* op) {
+  TORCH_CHECK(amx_available(), "tonp.", op, ": this CPU has no AMX-BF16 the process may use (it needs AMX-TILE "
+              "and AMX-BF16 in CPUID, the tile state enabled in XCR0 and granted by arch_prctl); "
+              "torch.ops.tonp.amx_available() says whether it has");
+}
+
+void check_bf16(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "tonp.", op, ": ", what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "tonp.", op, ": ", what, " must be bfloat16, got ", t.scalar_type());
+}
+
+#if TONP_AMX_BUILD
+TONP_AMX void tile_dp_once(float* c, const uint16_t* a, const uint16_t* b, int M, int N, int K) {
+  TileConfig cfg;
+  cfg.set(0, M, 4 * N);
+  cfg.set(1, M, 4 * K);
+  cfg.set(2, K, 4 * N);
+  _tile_loadconfig(&cfg);
+  _tile_loadd(0, c, 4 * N);
+  _tile_loadd(1, a, 4 * K);
+  _tile_loadd(2, b, 4 * N);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, c, 4 * N);
+  _tile_release();
+}
+#endif
+
+at::Tensor amx_tdpbf16ps(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
+  constexpr const char* op = "amx_tdpbf16ps";
+  TORCH_CHECK_TYPE(c.scalar_type() == at::kFloat, "tonp.", op, ": c must be float32, got ", c.scalar_type());
+  check_bf16(a, op, "a");
+  check_bf16(b, op, "b");
+  TORCH_CHECK_VALUE(c.dim() == 2 && a.dim() == 3 && b.dim() == 3 && a.size(2) == 2 && b.size(2) == 2 &&
+                        a.size(0) == c.size(0) && b.size(1) == c.size(1) && a.size(1) == b.size(0),
+                    "tonp.", op, ": expected c [M, N], a [M, K, 2], b [K, N, 2], got ", c.sizes(), ", ", a.sizes(),
+                    ", ", b.sizes());
+  const int64_t M = c.size(0), N = c.size(1), K = a.size(1);
+  TORCH_CHECK_VALUE(M >= 1 && M <= 16 && N >= 1 && N <= 16 && K >= 1 && K <= 16, "tonp.", op,
+                    ": one instruction takes 1 to 16 rows, columns and pairs, got M=", M, " N=", N, " K=", K);
+  require_amx(op);
+  at::Tensor out = c.contiguous().clone();
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+#if TONP_AMX_BUILD
+  tile_dp_once(out.data_ptr<float>(), static_cast<const uint16_t*>(ac.data_ptr()),
+               static_cast<const uint16_t*>(bc.data_ptr()), int(M), int(N), int(K));
+#endif
+  return out;
+}
+
+constexpr int64_t kBlock = 32;  // elements of K per instruction: 16 pairs, one 64-byte tile row
+
+#if TONP_AMX_BUILD
+// Rows [m0, m0 + mr) (mr <= 32) and column groups g0, g0 + 1 (16 columns each; ng = 1 or 2) of
+// every chunk: chunk c's C tiles start at zero and take one tdpbf16ps per block of 32 elements;
+// part[c] receives the [32, 32] chunk partials. xp: [Mp][chunks][nb * 32], wp: [groups][chunks]
+// [nb][16 pairs][16 columns][2].
+TONP_AMX void block_tiles(const uint16_t* xp, int64_t ldx, const uint16_t* wp, int64_t m0, int mr, int64_t g0, int ng,
+                          int chunks, int64_t nb, float* part) {
+  const int r0 = std::min(mr, 16), r1 = mr - r0;
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.set(t, t < 2 ? r0 : std::max(r1, 1), 64);  // C: 16 fp32 columns
+  cfg.set(4, r0, 64);
+  cfg.set(5, std::max(r1, 1), 64);
+  cfg.set(6, 16, 64);
+  cfg.set(7, 16, 64);
+  _tile_loadconfig(&cfg);
+  const int64_t wchunk = nb * 512, wgroup = int64_t(chunks) * wchunk;
+  for (int c = 0; c < chunks; ++c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* x0 = xp + m0 * ldx + c * nb * kBlock;
+    const uint16_t* w0 = wp + g0 * wgroup + c * wchunk;
+    for (int64_t j = 0; j < nb; ++j) {
+      _tile_loadd(4, x0 + j * kBlock, 2 * ldx);
+      _tile_loadd(6, w0 + j * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (ng > 1) {
+        _tile_loadd(7, w0 + wgroup + j * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (r1 > 0) {
+        _tile_loadd(5, x0 + 16 * ldx + j * kBlock, 2 * ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        if (ng > 1) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* p = part + c * 32 * 32;
+    _tile_stored(0, p, 128);
+    if (ng > 1) _tile_stored(1, p + 16, 128);
+    if (r1 > 0) {
+      _tile_stored(2, p + 16 * 32, 128);
+      if (ng > 1) _tile_stored(3, p + 16 * 32 + 16, 128);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks) {
+  constexpr const char* op = "amx_linear_blocks";
+  check_bf16(x, op, "x");
+  check_bf16(w, op, "w");
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "tonp.", op,
+                    ": expected x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 64 && K % chunks == 0, "tonp.", op,
+                    ": chunks must be 1 to 64 and divide K, got chunks=", chunks, " K=", K);
+  require_amx(op);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  const int64_t kc = K / chunks, nb = (kc + kBlock - 1) / kBlock, ldx = chunks * nb * kBlock;
+  const int64_t groups = (N + 15) / 16;
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const uint16_t* xs = static_cast<const uint16_t*>(xc.data_ptr());
+  const uint16_t* ws = static_cast<const uint16_t*>(wc.data_ptr());
+  // x with each chunk zero padded to whole blocks (rows padded to 32: the tiles' last rows).
+  const int64_t Mp = (M + 31) / 32 * 32;
+  std::vector<uint16_t> xp(size_t(Mp * ldx), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c)
+      std::memcpy(&xp[size_t(m * ldx + c * nb * kBlock)], xs + m * K + c * kc, size_t(kc) * 2);
+  // w as B tiles: wp[g][c][j][p][n][e] = w[16 g + n][c kc + 32 j + 2 p + e], zero past kc and N.
+  std::vector<uint16_t> wp(size_t(groups * chunks * nb * 512), 0);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t n = 0; n < 16 && 16 * g + n < N; ++n) {
+        const uint16_t* wr = ws + (16 * g + n) * K;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t i = 0; i < kc; ++i) {
+            const int64_t j = i / kBlock, p = (i % kBlock) / 2, e = i % 2;
+            wp[size_t(((g * chunks + c) * nb + j) * 512 + p * 32 + n * 2 + e)] = wr[c * kc + i];
+          }
+      }
+  });
+  float* ys = y.data_ptr<float>();
+  const int64_t mtiles = Mp / 32, gpairs = (groups + 1) / 2;
+  at::parallel_for(0, mtiles * gpairs, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> part(size_t(chunks) * 32 * 32);
+#if TONP_AMX_BUILD
+    const unsigned saved_csr = _mm_getcsr();
+    _mm_setcsr(0x1f80u);  // the chunk tree in IEEE arithmetic, whatever the caller set
+#endif
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mt = t % mtiles, gp = t / mtiles, m0 = mt * 32, g0 = 2 * gp;
+      const int mr = int(std::min<int64_t>(32, M - m0)), ng = int(std::min<int64_t>(2, groups - g0));
+#if TONP_AMX_BUILD
+      block_tiles(xp.data(), ldx, wp.data(), m0, mr, g0, ng, int(chunks), nb, part.data());
+#endif
+      // The chunk tree (kernels_impl.h's order: neighbours at doubling strides, an odd last carried).
+      for (int64_t s = 1; s < chunks; s *= 2)
+        for (int64_t c = 0; c + s < chunks; c += 2 * s)
+          for (int i = 0; i < 32 * 32; ++i) part[size_t(c * 1024 + i)] = part[size_t(c * 1024 + i)] + part[size_t((c + s) * 1024 + i)];
+      for (int r = 0; r < mr; ++r)
+        for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[size_t(r * 32 + n)];
+    }
+#if TONP_AMX_BUILD
+    _mm_setcsr(saved_csr);
+#endif
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tonp, m) {
+  m.def("amx_available() -> bool", &amx_available);
+  m.def("amx_tdpbf16ps(Tensor c, Tensor a, Tensor b) -> Tensor");
+  m.def("amx_linear_blocks(Tensor x, Tensor w, int chunks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tonp, CPU, m) {
+  m.impl("amx_tdpbf16ps", &amx_tdpbf16ps);
+  m.impl("amx_linear_blocks", &amx_linear_blocks);
+}
+
+}  // namespace tonp
