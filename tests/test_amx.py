@@ -21,6 +21,8 @@ from conftest import num_threads, randn
 CANONICAL_NAN = 0x7FC00000
 HAS_AMX = amx.available()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 (the instruction under test)")
+HAS_AVX512F = "avx512f" in open("/proc/cpuinfo").read().split()
+needs_avx512f = pytest.mark.skipif(not HAS_AVX512F, reason="this CPU has no AVX-512F (the FMA kernel under test)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -95,6 +97,11 @@ def test_the_tools_check_their_arguments():
     with pytest.raises(ValueError, match="divide K"):
         torch.ops.tonp.amx_linear_blocks(torch.zeros(1, 30, dtype=torch.bfloat16),
                                          torch.zeros(1, 30, dtype=torch.bfloat16), 4)
+    w = torch.zeros(20, 64, dtype=torch.bfloat16)
+    packed = torch.ops.tonp.amx_pack_blocks(w, 2)   # 2 groups of 16 columns, 2 chunks, 1 block each
+    assert packed.shape == (2 * 2 * 1 * 512,)
+    with pytest.raises(ValueError, match="amx_pack_blocks"):
+        torch.ops.tonp.amx_linear_blocks(torch.zeros(1, 64, dtype=torch.bfloat16), w, 4, packed)
 
 
 @needs_amx
@@ -180,6 +187,24 @@ def test_amx_block_chains_equal_the_reference(M, N, K, chunks, inputs, gen):
         x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen, dtype=torch.bfloat16)
     got = torch.ops.tonp.amx_linear_blocks(x, w, chunks)
     assert torch.equal(_bits(got), _bits(amx.linear_blocks_reference(x, w, chunks)))
+    packed = torch.ops.tonp.amx_pack_blocks(w, chunks)
+    assert torch.equal(_bits(torch.ops.tonp.amx_linear_blocks(x, w, chunks, packed)), _bits(got))
+
+
+@needs_avx512f
+@pytest.mark.parametrize("M,N,K,chunks", [(1, 1, 32, 1), (5, 17, 200, 4), (17, 40, 200, 8), (3, 50, 2048, 8)])
+@pytest.mark.parametrize("inputs", ["hostile", "normal"])
+def test_fma_block_chains_equal_the_reference(M, N, K, chunks, inputs, gen):
+    """The same order on AVX-512 FMAs under FTZ | DAZ (no AMX): the reference's bits, so a CPU
+    without AMX can follow the proposal exactly (the instruction's bits where it has AMX)."""
+    if inputs == "hostile":
+        x, w = _hostile_bf16((M, K), gen), _hostile_bf16((N, K), gen)
+    else:
+        x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen, dtype=torch.bfloat16)
+    got = torch.ops.tonp.fma_linear_blocks(x, w, chunks)
+    assert torch.equal(_bits(got), _bits(amx.linear_blocks_reference(x, w, chunks)))
+    if HAS_AMX:
+        assert torch.equal(_bits(got), _bits(torch.ops.tonp.amx_linear_blocks(x, w, chunks)))
 
 
 @needs_amx

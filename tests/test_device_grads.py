@@ -19,7 +19,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 MASKS2 = list(itertools.product((True, False), repeat=2))
 MASKS3 = list(itertools.product((True, False), repeat=3))
 CPU_ONLY = {"bf16_pair_step",  # a CPU test helper of the Triton pair step, not a model op
-            "amx_tdpbf16ps", "amx_linear_blocks"}  # tools measuring the CPU's AMX (amx_ops.cpp)
+            "amx_tdpbf16ps", "amx_pack_blocks", "amx_linear_blocks",
+            "fma_linear_blocks"}  # tools measuring the CPU's AMX (amx_ops.cpp)
 
 
 def agree(got, want, what):

@@ -5,10 +5,15 @@
 //                                    process its tile state (arch_prctl ARCH_REQ_XCOMP_PERM)
 //   amx_tdpbf16ps(c, a, b)           one instruction: C [M, N] fp32 += A [M, K pairs] . B [K, N]
 //                                    (M, N, K <= 16), returned as a new tensor
-//   amx_linear_blocks(x, w, chunks)  x [M, K] bf16 . w [N, K]^T -> fp32 [M, N] in the "block
+//   amx_linear_blocks(x, w, chunks[, packed])
+//                                    x [M, K] bf16 . w [N, K]^T -> fp32 [M, N] in the "block
 //                                    chains" order proposed there: per chunk, one C tile
 //                                    accumulated by one tdpbf16ps per 32 elements, then the
 //                                    chunk tree; the prototype behind its throughput figures
+//   amx_pack_blocks(w, chunks)       w as that kernel's B tiles, to pack once and pass as packed
+//   fma_linear_blocks(x, w, chunks[, packed])
+//                                    the same order and bits on AVX-512F FMAs (no AMX): what the
+//                                    proposal costs a CPU without it
 //
 // Only the functions marked TONP_AMX execute tile instructions, and only after amx_available();
 // the rest of the file is compiled for the baseline ISA, so loading the library never needs AMX.
@@ -170,42 +175,75 @@ TONP_AMX void block_tiles(const uint16_t* xp, int64_t ldx, const uint16_t* wp, i
 }
 #endif
 
-at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks) {
+// The geometry of a block-chains linear: chunks of kc, nb blocks of 32 per chunk.
+struct BlockShape {
+  int64_t K, chunks, kc, nb, groups;
+  BlockShape(int64_t K_, int64_t chunks_, int64_t N)
+      : K(K_), chunks(chunks_), kc(K_ / chunks_), nb((K_ / chunks_ + kBlock - 1) / kBlock), groups((N + 15) / 16) {}
+  int64_t packed_elems() const { return groups * chunks * nb * 512; }
+};
+
+void check_block_args(const char* op, const at::Tensor& w, int64_t chunks) {
+  check_bf16(w, op, "w");
+  TORCH_CHECK_VALUE(w.dim() == 2, "tonp.", op, ": expected w [N, K], got ", w.sizes());
+  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 64 && w.size(1) % chunks == 0, "tonp.", op,
+                    ": chunks must be 1 to 64 and divide K, got chunks=", chunks, " K=", w.size(1));
+}
+
+// w as B tiles: wp[g][c][j][p][n][e] = w[16 g + n][c kc + 32 j + 2 p + e], zero past kc and N.
+at::Tensor amx_pack_blocks(const at::Tensor& w, int64_t chunks) {
+  check_block_args("amx_pack_blocks", w, chunks);
+  const int64_t N = w.size(0);
+  const BlockShape s(w.size(1), chunks, N);
+  at::Tensor packed = at::zeros({s.packed_elems()}, w.options());
+  const at::Tensor wc = w.contiguous();
+  const uint16_t* ws = static_cast<const uint16_t*>(wc.data_ptr());
+  uint16_t* wp = static_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, s.groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t n = 0; n < 16 && 16 * g + n < N; ++n) {
+        const uint16_t* wr = ws + (16 * g + n) * s.K;
+        for (int64_t c = 0; c < chunks; ++c) {
+          uint16_t* dst = wp + (g * chunks + c) * s.nb * 512 + n * 2;
+          const uint16_t* src = wr + c * s.kc;
+          int64_t i = 0;
+          for (; i + 2 <= s.kc; i += 2) std::memcpy(dst + (i / kBlock) * 512 + (i % kBlock) / 2 * 32, src + i, 4);
+          if (i < s.kc) dst[(i / kBlock) * 512 + (i % kBlock) / 2 * 32] = src[i];
+        }
+      }
+  });
+  return packed;
+}
+
+at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks,
+                             const c10::optional<at::Tensor>& packed) {
   constexpr const char* op = "amx_linear_blocks";
   check_bf16(x, op, "x");
-  check_bf16(w, op, "w");
-  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "tonp.", op,
-                    ": expected x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  check_block_args(op, w, chunks);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1), "tonp.", op, ": expected x [M, K] and w [N, K], got ",
+                    x.sizes(), " and ", w.sizes());
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 64 && K % chunks == 0, "tonp.", op,
-                    ": chunks must be 1 to 64 and divide K, got chunks=", chunks, " K=", K);
+  const BlockShape s(K, chunks, N);
+  if (packed) {
+    check_bf16(*packed, op, "packed");
+    TORCH_CHECK_VALUE(packed->dim() == 1 && packed->numel() == s.packed_elems() && packed->is_contiguous(), "tonp.", op,
+                      ": packed must be amx_pack_blocks(w, chunks) (", s.packed_elems(), " elements), got ",
+                      packed->sizes());
+  }
   require_amx(op);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
-  const int64_t kc = K / chunks, nb = (kc + kBlock - 1) / kBlock, ldx = chunks * nb * kBlock;
-  const int64_t groups = (N + 15) / 16;
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t nb = s.nb, kc = s.kc, ldx = chunks * nb * kBlock, groups = s.groups;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wpt = packed ? *packed : amx_pack_blocks(w, chunks);
   const uint16_t* xs = static_cast<const uint16_t*>(xc.data_ptr());
-  const uint16_t* ws = static_cast<const uint16_t*>(wc.data_ptr());
+  const uint16_t* wp = static_cast<const uint16_t*>(wpt.data_ptr());
   // x with each chunk zero padded to whole blocks (rows padded to 32: the tiles' last rows).
   const int64_t Mp = (M + 31) / 32 * 32;
   std::vector<uint16_t> xp(size_t(Mp * ldx), 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < chunks; ++c)
       std::memcpy(&xp[size_t(m * ldx + c * nb * kBlock)], xs + m * K + c * kc, size_t(kc) * 2);
-  // w as B tiles: wp[g][c][j][p][n][e] = w[16 g + n][c kc + 32 j + 2 p + e], zero past kc and N.
-  std::vector<uint16_t> wp(size_t(groups * chunks * nb * 512), 0);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t n = 0; n < 16 && 16 * g + n < N; ++n) {
-        const uint16_t* wr = ws + (16 * g + n) * K;
-        for (int64_t c = 0; c < chunks; ++c)
-          for (int64_t i = 0; i < kc; ++i) {
-            const int64_t j = i / kBlock, p = (i % kBlock) / 2, e = i % 2;
-            wp[size_t(((g * chunks + c) * nb + j) * 512 + p * 32 + n * 2 + e)] = wr[c * kc + i];
-          }
-      }
-  });
   float* ys = y.data_ptr<float>();
   const int64_t mtiles = Mp / 32, gpairs = (groups + 1) / 2;
   at::parallel_for(0, mtiles * gpairs, 1, [&](int64_t t0, int64_t t1) {
@@ -218,12 +256,120 @@ at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t c
       const int64_t mt = t % mtiles, gp = t / mtiles, m0 = mt * 32, g0 = 2 * gp;
       const int mr = int(std::min<int64_t>(32, M - m0)), ng = int(std::min<int64_t>(2, groups - g0));
 #if TONP_AMX_BUILD
-      block_tiles(xp.data(), ldx, wp.data(), m0, mr, g0, ng, int(chunks), nb, part.data());
+      block_tiles(xp.data(), ldx, wp, m0, mr, g0, ng, int(chunks), nb, part.data());
 #endif
       // The chunk tree (kernels_impl.h's order: neighbours at doubling strides, an odd last carried).
-      for (int64_t s = 1; s < chunks; s *= 2)
-        for (int64_t c = 0; c + s < chunks; c += 2 * s)
-          for (int i = 0; i < 32 * 32; ++i) part[size_t(c * 1024 + i)] = part[size_t(c * 1024 + i)] + part[size_t((c + s) * 1024 + i)];
+      for (int64_t st = 1; st < chunks; st *= 2)
+        for (int64_t c = 0; c + st < chunks; c += 2 * st)
+          for (int i = 0; i < 32 * 32; ++i) part[size_t(c * 1024 + i)] = part[size_t(c * 1024 + i)] + part[size_t((c + st) * 1024 + i)];
+      for (int r = 0; r < mr; ++r)
+        for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[size_t(r * 32 + n)];
+    }
+#if TONP_AMX_BUILD
+    _mm_setcsr(saved_csr);
+#endif
+  });
+  return y;
+}
+
+#if TONP_AMX_BUILD
+// The same order on AVX-512F FMAs (no AMX, no vdpbf16ps): what the proposal would cost a CPU
+// without AMX. Rows [r0, r0 + 4) x column groups g, g + 1 of one chunk, over the same B tiles:
+// per block, per pair p, the column pairs widened to even (<< 16) and odd (& 0xffff0000) fp32
+// and one FMA each per row into E and O under MXCSR FTZ | DAZ (the step, as the AVX2 build's
+// pair chains already compute it); then acc = acc + (E + O), flushed. xf: x widened to fp32,
+// [rows][chunks][nb * 32]. out: [4][32] chunk partials.
+__attribute__((target("avx512f,fma"))) void fma_block_tile(const float* xf, int64_t ldx, const uint16_t* wg0,
+                                                            const uint16_t* wg1, int64_t nb, int mr, float* out) {
+  constexpr int MR = 4;
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
+  for (int64_t j = 0; j < nb; ++j) {
+    __m512 E[MR][2], O[MR][2];
+    for (int r = 0; r < MR; ++r) E[r][0] = E[r][1] = O[r][0] = O[r][1] = _mm512_setzero_ps();
+    const uint16_t* b0 = wg0 + j * 512;
+    const uint16_t* b1 = wg1 + j * 512;
+    for (int p = 0; p < 16; ++p) {
+      const __m512i v0 = _mm512_loadu_si512(b0 + p * 32), v1 = _mm512_loadu_si512(b1 + p * 32);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));
+      for (int r = 0; r < MR; ++r) {
+        if (r >= mr) break;
+        const float* xr = xf + r * ldx + j * kBlock + 2 * p;
+        const __m512 xe = _mm512_set1_ps(xr[0]), xo = _mm512_set1_ps(xr[1]);
+        E[r][0] = _mm512_fmadd_ps(xe, e0, E[r][0]);
+        E[r][1] = _mm512_fmadd_ps(xe, e1, E[r][1]);
+        O[r][0] = _mm512_fmadd_ps(xo, o0, O[r][0]);
+        O[r][1] = _mm512_fmadd_ps(xo, o1, O[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < 2; ++q) acc[r][q] = _mm512_add_ps(acc[r][q], _mm512_add_ps(E[r][q], O[r][q]));
+  }
+  for (int r = 0; r < mr; ++r) {
+    _mm512_storeu_ps(out + r * 32, acc[r][0]);
+    _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
+  }
+}
+#endif
+
+at::Tensor fma_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks,
+                             const c10::optional<at::Tensor>& packed) {
+  constexpr const char* op = "fma_linear_blocks";
+  check_bf16(x, op, "x");
+  check_block_args(op, w, chunks);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1), "tonp.", op, ": expected x [M, K] and w [N, K], got ",
+                    x.sizes(), " and ", w.sizes());
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  const BlockShape s(K, chunks, N);
+  if (packed)
+    TORCH_CHECK_VALUE(packed->scalar_type() == at::kBFloat16 && packed->dim() == 1 && packed->numel() == s.packed_elems() &&
+                          packed->is_contiguous(),
+                      "tonp.", op, ": packed must be amx_pack_blocks(w, chunks) (", s.packed_elems(), " elements)");
+#if TONP_AMX_BUILD
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"), "tonp.", op,
+              ": this CPU has no AVX-512F");
+#else
+  TORCH_CHECK(false, "tonp.", op, ": x86-64 Linux only");
+#endif
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  const int64_t nb = s.nb, kc = s.kc, ldx = chunks * nb * kBlock, groups = s.groups;
+  const at::Tensor wpt = packed ? *packed : amx_pack_blocks(w, chunks);
+  const uint16_t* wp = static_cast<const uint16_t*>(wpt.data_ptr());
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xs = static_cast<const uint16_t*>(xc.data_ptr());
+  std::vector<float> xf(size_t(M * ldx), 0.f);  // widened exactly; padding zeros
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = 0; i < kc; ++i) {
+        const uint32_t b = uint32_t(xs[m * K + c * kc + i]) << 16;
+        std::memcpy(&xf[size_t(m * ldx + c * nb * kBlock + i)], &b, 4);
+      }
+  float* ys = y.data_ptr<float>();
+  const int64_t rtiles = (M + 3) / 4, gpairs = (groups + 1) / 2;
+  std::vector<uint16_t> zero_group(size_t(nb) * 512, 0);
+  at::parallel_for(0, rtiles * gpairs, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> part(size_t(chunks) * 4 * 32);
+#if TONP_AMX_BUILD
+    const unsigned saved_csr = _mm_getcsr();
+#endif
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rt = t % rtiles, gp = t / rtiles, m0 = rt * 4, g0 = 2 * gp;
+      const int mr = int(std::min<int64_t>(4, M - m0));
+      const int64_t wgroup = chunks * nb * 512;
+#if TONP_AMX_BUILD
+      _mm_setcsr(0x9fc0u);  // the chains and the block adds: FTZ | DAZ
+      for (int64_t c = 0; c < chunks; ++c)
+        fma_block_tile(xf.data() + m0 * ldx + c * nb * kBlock, ldx, wp + g0 * wgroup + c * nb * 512,
+                       g0 + 1 < groups ? wp + (g0 + 1) * wgroup + c * nb * 512 : zero_group.data(), nb, mr,
+                       part.data() + c * 4 * 32);
+      _mm_setcsr(0x1f80u);  // the chunk tree: IEEE
+#endif
+      for (int64_t st = 1; st < chunks; st *= 2)
+        for (int64_t c = 0; c + st < chunks; c += 2 * st)
+          for (int i = 0; i < 4 * 32; ++i) part[size_t(c * 128 + i)] = part[size_t(c * 128 + i)] + part[size_t((c + st) * 128 + i)];
       for (int r = 0; r < mr; ++r)
         for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[size_t(r * 32 + n)];
     }
@@ -239,12 +385,16 @@ at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t c
 TORCH_LIBRARY_FRAGMENT(tonp, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_tdpbf16ps(Tensor c, Tensor a, Tensor b) -> Tensor");
-  m.def("amx_linear_blocks(Tensor x, Tensor w, int chunks) -> Tensor");
+  m.def("amx_pack_blocks(Tensor w, int chunks) -> Tensor");
+  m.def("amx_linear_blocks(Tensor x, Tensor w, int chunks, Tensor? packed=None) -> Tensor");
+  m.def("fma_linear_blocks(Tensor x, Tensor w, int chunks, Tensor? packed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("amx_tdpbf16ps", &amx_tdpbf16ps);
+  m.impl("amx_pack_blocks", &amx_pack_blocks);
   m.impl("amx_linear_blocks", &amx_linear_blocks);
+  m.impl("fma_linear_blocks", &fma_linear_blocks);
 }
 
 }  // namespace tonp
