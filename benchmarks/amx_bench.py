@@ -12,7 +12,8 @@
    repeat: stock torch's bf16 matmul (oneDNN, AMX here), tonp's linear (the contract's pair
    chains on vdpbf16ps), the AMX prototype of the proposed block chains (amx_linear_blocks;
    weights packed in the call, and pre-packed), the same bits on AVX-512 FMAs without AMX
-   (fma_linear_blocks: what the proposal costs a CPU that lacks it), and MKL's fp32 GEMM. GFLOP/s and the
+   (fma_linear_blocks: what the proposal costs a CPU that lacks it), MKL's fp32 GEMM and tonp's
+   fp32 linear. GFLOP/s and the
    ratio to stock bf16.
 Writes benchmarks/results/amx.{md,json}. CONTRACT.md ("AMX and the pair chains") reads them.
 """
@@ -105,15 +106,17 @@ def throughput(repeat, max_s):
             "AMX block chains, pre-packed": lambda: torch.ops.tonp.amx_linear_blocks(x, w, CHUNKS, packed),
             "AVX-512 FMA block chains, pre-packed": lambda: torch.ops.tonp.fma_linear_blocks(x, w, CHUNKS, packed),
             "MKL fp32": lambda: torch.nn.functional.linear(xf, wf),
+            "tonp linear fp32": lambda: tk.linear(xf, wf, chunks=CHUNKS),
         }
         t = timeit_interleaved(fns, repeat=repeat, max_total_s=max_s)
         flops = 2 * M * K * N
-        base = t["stock bf16 matmul"].seconds
+        base, mkl = t["stock bf16 matmul"].seconds, t["MKL fp32"].seconds
         for c, tm in t.items():
-            rows.append([name, f"{M}x{K}x{N}", c, fmt(flops / tm.seconds / 1e9), fmt_ratio(base / tm.seconds)])
+            rows.append([name, f"{M}x{K}x{N}", c, fmt(flops / tm.seconds / 1e9), fmt_ratio(base / tm.seconds),
+                         fmt_ratio(mkl / tm.seconds)])
             data.append({"shape": name, "M": M, "K": K, "N": N, "contender": c, "gflops": flops / tm.seconds / 1e9,
-                         "vs_stock_bf16": base / tm.seconds, "timing": tm})
-    return md_table(["shape", "M x K x N", "contender", "GFLOP/s", "vs stock bf16"], rows), data
+                         "vs_stock_bf16": base / tm.seconds, "vs_mkl_fp32": mkl / tm.seconds, "timing": tm})
+    return md_table(["shape", "M x K x N", "contender", "GFLOP/s", "vs stock bf16", "vs MKL fp32"], rows), data
 
 
 def main(argv=None):
@@ -145,7 +148,7 @@ def main(argv=None):
         "C + (E + O) (`tonp_kernels.amx.tdpbf16ps_model`).",
         f"## Throughput: bf16 x bf16 linear, {CHUNKS} chunks, fp32 out for the AMX prototype\n\n" + thr_md,
         "Contenders in turn within each repeat, median of the repeats; ratios to stock torch's bf16 "
-        "matmul in the same run. 'AMX block chains' packs the weights into B tiles in the call; "
+        "matmul and to MKL's fp32 GEMM in the same run. 'AMX block chains' packs the weights into B tiles in the call; "
         "'pre-packed' is the kernel alone, as a model that packs its weights once at load would run it. "
         "The prototypes are plain tile loops (AMX: 2 x 2 tiles; FMA: 4 rows x 32 columns) with no "
         "prefetching and a scalar chunk tree; both give the reference's bits (tests/test_amx.py).",
