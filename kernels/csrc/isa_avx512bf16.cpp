@@ -1,7 +1,9 @@
-// The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h)
-// and the backward GEMM on AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own
-// function, so only the pair chains run on the new instruction, and they give the emulation's bits (checked here once, on a table of edge cases,
-// before the table is used; a CPU whose instruction disagrees keeps the AVX2 emulation).
+// The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h),
+// the fp32-FMA linear's lane passes on zmm (kernels_impl.h, TONP_AVX512) and the backward GEMM on
+// AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own function. The zmm lane passes
+// perform the AVX2 build's chains operand for operand; the pair chains run on the new instruction
+// and give the emulation's bits (checked here once, on a table of edge cases, before the table is
+// used; a CPU whose instruction disagrees keeps the AVX2 emulation).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -12,6 +14,7 @@
 #include "kernels.h"
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 #define TONP_AVX2 1
+#define TONP_AVX512 1  // kernels_impl.h: the fp32-FMA linear's lane passes on zmm (same chains)
 #define TONP_ISA_NAME "avx512bf16"
 
 namespace tonp_avx512bf16 {
@@ -60,6 +63,7 @@ const Kernels* kernels_avx512bf16() {
     if (!tonp_avx512bf16::self_check(kernels_avx2())) return nullptr;
     static Kernels t = *kernels_avx2();
     t.name = TONP_ISA_NAME;
+    t.linear_panel = tonp_avx512bf16::linear_panel;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;

@@ -1,7 +1,8 @@
 // The per-ISA kernel table. ops.cpp and moe_ops.cpp (the torch-facing side: checks, allocation,
 // threading) call these through `K()` (ops_common.h); isa_avx2.cpp and isa_portable.cpp each fill
 // one table from the same source (kernels_impl.h, bf16dot.h), so both give identical bits;
-// isa_avx512bf16.cpp is the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (same bits).
+// isa_avx512bf16.cpp is the AVX2 table with the bf16 x bf16 linear on vdpbf16ps and the fp32
+// linear's lane passes on zmm (same bits).
 //
 // Threading never splits a reduction: every function below computes complete outputs (rows,
 // panels of output columns, (query, head) pairs) and ops.cpp only distributes those.

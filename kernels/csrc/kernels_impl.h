@@ -70,12 +70,14 @@ static inline void lanes_tree(const float* lanes, int64_t stride, int64_t n, flo
 }
 
 // Row tiles of a block: f(r, integral_constant<MR>) for tiles of MAX rows from row r, then one
-// tile of the remaining rows (MAX <= 6). Only which rows share a tile depends on this.
+// tile of the remaining rows (MAX <= 8). Only which rows share a tile depends on this.
 template <int MAX, typename F>
 static inline void for_row_tiles(int64_t rows, F&& f) {
   int64_t r = 0;
   for (; r + MAX <= rows; r += MAX) f(r, std::integral_constant<int, MAX>());
   switch (rows - r) {
+    case 7: if constexpr (MAX > 7) f(r, std::integral_constant<int, 7>()); break;
+    case 6: if constexpr (MAX > 6) f(r, std::integral_constant<int, 6>()); break;
     case 5: if constexpr (MAX > 5) f(r, std::integral_constant<int, 5>()); break;
     case 4: if constexpr (MAX > 4) f(r, std::integral_constant<int, 4>()); break;
     case 3: if constexpr (MAX > 3) f(r, std::integral_constant<int, 3>()); break;
@@ -205,6 +207,26 @@ static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_
 // of an output are finished by the hsum tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), lane-wise
 // across vectors: exactly the values and the order of dot_chunk, without a horizontal sum per
 // output. wt: the chunk's weights transposed, [kc, 16] (columns past ncols zero).
+#if defined(TONP_AVX512)
+// The AVX-512 build: the same lane chains with a row's sixteen outputs in one zmm, eight rows a
+// tile (eight independent FMA chains per lane pass): the same operands in the same order.
+constexpr int kLaneTileRows = 8;
+template <int MR>
+static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+  alignas(64) float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = l; k < kc; k += 8) {
+      const __m512 w = _mm512_loadu_ps(wt + k * kPanel);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xc[r * ldx + k]), w, acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(lanes[l] + r * kPanel, acc[r]);
+  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
+}
+#else
+constexpr int kLaneTileRows = 4;
 template <int MR>
 static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
   float lanes[8][MR * kPanel];
@@ -226,6 +248,7 @@ static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int6
   }
   lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
 }
+#endif
 
 // wt[k, n] = W[n, k] for the panel's ncols <= 16 weight rows and k < kc (columns past ncols
 // zero), widened to fp32: an exact copy, eight by eight through transpose8.
@@ -274,7 +297,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
         }
       continue;
     }
-    for_row_tiles<4>(rows, [&](int64_t r, auto mr) { lane_tile<mr()>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); });
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) { lane_tile<mr()>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); });
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
