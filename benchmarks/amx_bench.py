@@ -1,6 +1,7 @@
 """AMX-BF16 on this CPU: what `tdpbf16ps` computes, and what a linear in its order would gain.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_bench.py        # ~2 min; needs AMX-BF16
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_bench.py          # ~3 min; needs AMX-BF16
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_bench.py --quick  # ~1 min (amx_quick.md)
 
 1. Numerics. The instruction (torch.ops.tonp.amx_tdpbf16ps) on random operands of two kinds,
    ordinary (normal values, cancellation) and hostile (any bit pattern, tiny normals whose
@@ -15,7 +16,7 @@
    (fma_linear_blocks: what the proposal costs a CPU that lacks it), MKL's fp32 GEMM and tonp's
    fp32 linear. GFLOP/s and the
    ratio to stock bf16.
-Writes benchmarks/results/amx.{md,json}. CONTRACT.md ("AMX and the pair chains") reads them.
+Writes benchmarks/results/amx{,_quick}.{md,json}; `make bench` runs it where the CPU has AMX. CONTRACT.md ("AMX and the pair chains") reads them.
 """
 from __future__ import annotations
 
@@ -124,8 +125,11 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=200_000, help="outputs per numerics row")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--max-s", type=float, default=20.0, help="time budget per shape")
+    ap.add_argument("--quick", action="store_true", help="20k outputs per row, 3 repeats: amx_quick.md")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = ap.parse_args(argv)
+    if a.quick:
+        a.samples, a.repeat, a.max_s = 20_000, 3, 8.0
     meta = machine_meta()
     if not amx.available():
         print(f"amx_bench: this CPU ({meta['cpu']}) has no AMX-BF16; nothing to measure")
@@ -153,7 +157,7 @@ def main(argv=None):
         "The prototypes are plain tile loops (AMX: 2 x 2 tiles; FMA: 4 rows x 32 columns) with no "
         "prefetching and a scalar chunk tree; both give the reference's bits (tests/test_amx.py).",
     ) if x)
-    paths = write_results(a.out, "amx", md + "\n", {"meta": meta, "numerics": num, "throughput": thr})
+    paths = write_results(a.out, "amx_quick" if a.quick else "amx", md + "\n", {"meta": meta, "numerics": num, "throughput": thr})
     print(md)
     log("amx_bench: wrote " + ", ".join(str(p) for p in paths))
     return 0

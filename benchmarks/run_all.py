@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run a
 
 import model_bench as mb  # noqa: E402
 import roofline  # noqa: E402
+import tonp_kernels.amx as amx  # noqa: E402
 from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
                     md_table, write_results)
 
@@ -311,6 +312,8 @@ def main(argv=None) -> dict:
                     help="skip parallel_bench.py (PP / CP against PP 1 / CP 1)")
     ap.add_argument("--skip-train", action="store_true",
                     help="skip train_bench.py (training step vs forward and torch)")
+    ap.add_argument("--skip-amx", action="store_true",
+                    help="skip benchmarks/amx_bench.py (run only where the CPU has AMX-BF16)")
     ap.add_argument("--skip-decode", action="store_true",
                     help="skip benchmarks/decode_bench.py (batched decode; vLLM when installed)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
@@ -362,6 +365,10 @@ def main(argv=None) -> dict:
                          ["--quick", "--peer", "--peer-eager"],
                          "decode.md" if mode == "full" else "decode_quick.md", 3600)
             extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
+        if not args.skip_amx and amx.available():  # Intel CPUs with AMX-BF16 only
+            x = run_peer("amx_bench.py", [] if mode == "full" else ["--quick"],
+                         "amx.md" if mode == "full" else "amx_quick.md", 1200)
+            extra += [("AMX-BF16 (benchmarks/amx_bench.py)", x[1])] if x else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
     store["targets"] = all_targets(cases, runs, machine)

@@ -17,6 +17,7 @@ import torch
 import tonp_kernels as tk
 from conftest import assert_bitwise, num_threads
 from test_generation import prompts, tiny_model
+from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from tonp_models.engine import Engine, Request, SamplingParams
 
 
@@ -80,25 +81,39 @@ def test_max_new_tokens_0_scores_the_prompt_only():
     assert one.prompt_logprobs == []
 
 
+def _wide_model():
+    """One dense layer of hidden size 1024: MKL's fp32 GEMMs there change their blocking with M
+    on CPUs (an AVX-512 Xeon) where the tiny model's narrow ones happen not to."""
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig.preset("tiny", num_hidden_layers=1, hidden_size=1024, intermediate_size=256,
+                                mlp_only_layers=[0])
+    return Qwen3MoeForCausalLM(cfg, dtype=torch.float32).eval()
+
+
 def test_twin_stock_ops_change_a_sequences_logprobs_with_its_batch():
     """Stock ops (MKL GEMMs split by M over 2 threads) give a sequence other bits in some batch
-    arrangement (at 1 thread MKL happens to agree on this tiny model); tonp's kernels give the
-    same bits in every one, at 1 and 2 threads."""
-    model = tiny_model(torch.float32)
-    p, *others = prompts((45, 70, 9, 33, 101), seed=31)
+    arrangement of some model (the tiny one on AMD EPYC; at 1 thread MKL happens to agree on it,
+    and on an Intel Xeon it agrees at 2 as well, where the wider model's GEMMs do not); tonp's
+    kernels give the same bits in every one, at 1 and 2 threads."""
+    p, *others = prompts((45, 70, 9, 33, 101, 250, 400), seed=31)
     batches = [[p] + others[:k] for k in range(1, len(others) + 1)] + [others[::-1] + [p]]
-    with tk.use("torch"), torch.no_grad(), num_threads(2):
-        alone = model.token_logprobs([p])[0]
-        stock = [model.token_logprobs(b)[[x is p for x in b].index(True)] for b in batches]
-    assert any(not torch.equal(alone, s) for s in stock), \
-        "precondition: stock ops gave the same bits in every batch"
-    with torch.no_grad():   # tonp's kernels: the same bits either way
-        mine = model.token_logprobs([p])[0]
-    for threads in (1, 2):
-        with torch.no_grad(), num_threads(threads):
-            for b in batches:
-                got = model.token_logprobs(b)[[x is p for x in b].index(True)]
-                assert torch.equal(mine, got), f"{threads} thread(s), batch of {len(b)}"
+    models = (tiny_model(torch.float32), _wide_model())
+    stock_differs = False
+    for model in models:
+        with tk.use("torch"), torch.no_grad(), num_threads(2):
+            alone = model.token_logprobs([p])[0]
+            stock = [model.token_logprobs(b)[[x is p for x in b].index(True)] for b in batches]
+        stock_differs |= any(not torch.equal(alone, s) for s in stock)
+    assert stock_differs, "precondition: stock ops gave the same bits in every batch of both models"
+    for model in models:
+        with torch.no_grad():   # tonp's kernels: the same bits either way
+            mine = model.token_logprobs([p])[0]
+        for threads in (1, 2):
+            with torch.no_grad(), num_threads(threads):
+                for b in batches:
+                    got = model.token_logprobs(b)[[x is p for x in b].index(True)]
+                    assert torch.equal(mine, got), f"{threads} thread(s), batch of {len(b)}"
+
 
 def _scored_after_a_hit(model, a, b):
     """Prompt b's logprobs as an engine that reads them off its prefill would get them after a
