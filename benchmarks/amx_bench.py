@@ -16,7 +16,9 @@
    (fma_linear_blocks: what the proposal costs a CPU that lacks it), MKL's fp32 GEMM and tonp's
    fp32 linear. GFLOP/s and the
    ratio to stock bf16.
-Writes benchmarks/results/amx{,_quick}.{md,json}; `make bench` runs it where the CPU has AMX. CONTRACT.md ("AMX and the pair chains") reads them.
+On a CPU with AVX-512F but no AMX (AMD EPYC) only part 2 runs, without the AMX contenders: the
+proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json}; `make bench` runs it
+where the CPU has AMX-BF16 or AVX-512F. CONTRACT.md ("AMX and the pair chains") reads them.
 """
 from __future__ import annotations
 
@@ -92,7 +94,15 @@ def numerics(samples):
     return md_table(["inputs", "instruction", "outputs"] + list(readings), rows), data
 
 
-def throughput(repeat, max_s):
+def _has_avx512f():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read().split()
+    except OSError:
+        return False
+
+
+def throughput(repeat, max_s, with_amx):
     gen = torch.Generator().manual_seed(1)
     rows, data = [], []
     for name, M, K, N in SHAPES:
@@ -103,12 +113,15 @@ def throughput(repeat, max_s):
         fns = {
             "stock bf16 matmul": lambda: torch.nn.functional.linear(x, w),
             "tonp linear (pair chains)": lambda: tk.linear(x, w, chunks=CHUNKS),
-            "AMX block chains": lambda: torch.ops.tonp.amx_linear_blocks(x, w, CHUNKS),
-            "AMX block chains, pre-packed": lambda: torch.ops.tonp.amx_linear_blocks(x, w, CHUNKS, packed),
+        }
+        if with_amx:
+            fns["AMX block chains"] = lambda: torch.ops.tonp.amx_linear_blocks(x, w, CHUNKS)
+            fns["AMX block chains, pre-packed"] = lambda: torch.ops.tonp.amx_linear_blocks(x, w, CHUNKS, packed)
+        fns.update({
             "AVX-512 FMA block chains, pre-packed": lambda: torch.ops.tonp.fma_linear_blocks(x, w, CHUNKS, packed),
             "MKL fp32": lambda: torch.nn.functional.linear(xf, wf),
             "tonp linear fp32": lambda: tk.linear(xf, wf, chunks=CHUNKS),
-        }
+        })
         t = timeit_interleaved(fns, repeat=repeat, max_total_s=max_s)
         flops = 2 * M * K * N
         base, mkl = t["stock bf16 matmul"].seconds, t["MKL fp32"].seconds
@@ -131,25 +144,32 @@ def main(argv=None):
     if a.quick:
         a.samples, a.repeat, a.max_s = 20_000, 3, 8.0
     meta = machine_meta()
-    if not amx.available():
-        print(f"amx_bench: this CPU ({meta['cpu']}) has no AMX-BF16; nothing to measure")
+    has_amx = amx.available()
+    if not has_amx and not _has_avx512f():
+        print(f"amx_bench: this CPU ({meta['cpu']}) has no AMX-BF16 and no AVX-512F; nothing to measure")
         return 0
     meta["isa"] = tk.isa()
-    log("amx_bench: numerics")
-    num_md, num = numerics(a.samples)
+    meta["amx"] = has_amx
+    num_md, num = "", []
+    if has_amx:
+        log("amx_bench: numerics")
+        num_md, num = numerics(a.samples)
     log("amx_bench: throughput")
-    thr_md, thr = throughput(a.repeat, a.max_s)
+    thr_md, thr = throughput(a.repeat, a.max_s, has_amx)
     flags = ", ".join(meta["cpu_flags"])
     md = "\n\n".join(x for x in (
         f"# AMX-BF16: what tdpbf16ps computes, and a linear in its order\n\n{meta['date']}; {meta['cpu']} ({flags}); "
         f"kernel table **{meta['isa']}**; {meta['threads']} threads; torch {meta['torch']}.",
         busy_warning(meta),
-        "## Numerics: share of outputs each reading gives bit for bit (NaN by position)\n\n" + num_md,
+        "This CPU has no AMX-BF16: no numerics, and the block chains only on AVX-512 FMAs (what the "
+        "proposal would cost it)." if not has_amx else "",
+        "## Numerics: share of outputs each reading gives bit for bit (NaN by position)\n\n" + num_md
+        if has_amx else "",
         "Ordinary: normal fp32 accumulators, bf16 operands from a normal distribution. Hostile: per "
         "element any bit pattern (infinities, NaN, subnormals), a tiny normal (products below FLT_MIN) "
         "or a value near 1; accumulators within 32 ulps of FLT_MIN, subnormal or any bit pattern. "
         "The measured model: E and O, step chains over the even and odd elements from +0; then "
-        "C + (E + O) (`tonp_kernels.amx.tdpbf16ps_model`).",
+        "C + (E + O) (`tonp_kernels.amx.tdpbf16ps_model`)." if has_amx else "",
         f"## Throughput: bf16 x bf16 linear, {CHUNKS} chunks, fp32 out for the AMX prototype\n\n" + thr_md,
         "Contenders in turn within each repeat, median of the repeats; ratios to stock torch's bf16 "
         "matmul and to MKL's fp32 GEMM in the same run. 'AMX block chains' packs the weights into B tiles in the call; "

@@ -313,7 +313,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-train", action="store_true",
                     help="skip train_bench.py (training step vs forward and torch)")
     ap.add_argument("--skip-amx", action="store_true",
-                    help="skip benchmarks/amx_bench.py (run only where the CPU has AMX-BF16)")
+                    help="skip benchmarks/amx_bench.py (run where the CPU has AMX-BF16 or AVX-512F)")
     ap.add_argument("--skip-decode", action="store_true",
                     help="skip benchmarks/decode_bench.py (batched decode; vLLM when installed)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
@@ -365,7 +365,7 @@ def main(argv=None) -> dict:
                          ["--quick", "--peer", "--peer-eager"],
                          "decode.md" if mode == "full" else "decode_quick.md", 3600)
             extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
-        if not args.skip_amx and amx.available():  # Intel CPUs with AMX-BF16 only
+        if not args.skip_amx and (amx.available() or "avx512f" in meta["cpu_flags"]):
             x = run_peer("amx_bench.py", [] if mode == "full" else ["--quick"],
                          "amx.md" if mode == "full" else "amx_quick.md", 1200)
             extra += [("AMX-BF16 (benchmarks/amx_bench.py)", x[1])] if x else []

@@ -21,7 +21,17 @@ from conftest import num_threads, randn
 CANONICAL_NAN = 0x7FC00000
 HAS_AMX = amx.available()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 (the instruction under test)")
-HAS_AVX512F = "avx512f" in open("/proc/cpuinfo").read().split()
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+HAS_AVX512F = "avx512f" in _cpu_flags()
 needs_avx512f = pytest.mark.skipif(not HAS_AVX512F, reason="this CPU has no AVX-512F (the FMA kernel under test)")
 
 
@@ -66,10 +76,7 @@ def _hostile_acc(shape, gen):
 
 
 def test_availability_matches_what_the_cpu_reports():
-    try:
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        flags = []
+    flags = _cpu_flags()
     reported = "amx_bf16" in flags and "amx_tile" in flags
     if HAS_AMX:
         assert reported, "amx_available() without amx_bf16/amx_tile in /proc/cpuinfo"

@@ -101,15 +101,20 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
 @pytest.mark.timeout(300)
 def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
     """benchmarks/amx_bench.py with a few samples and one round: on an AMX machine the measured
-    model agrees with every output and every contender is timed; elsewhere it says so and writes
-    nothing."""
+    model agrees with every output and every contender is timed; with AVX-512F only, the FMA
+    contenders; with neither it says so and writes nothing."""
     import amx_bench
     import tonp_kernels.amx as amx
     assert amx_bench.main(["--samples", "256", "--repeat", "1", "--max-s", "0.1", "--out", str(tmp_path)]) == 0
-    if not amx.available():
-        assert "has no AMX-BF16" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    if not amx.available() and not amx_bench._has_avx512f():
+        assert "nothing to measure" in capsys.readouterr().out and not list(tmp_path.iterdir())
         return
     data = json.loads((tmp_path / "amx.json").read_text())
-    assert all(r["measured model"] == 1.0 for r in data["numerics"])
-    assert {r["contender"] for r in data["throughput"]} >= {"stock bf16 matmul", "AMX block chains, pre-packed"}
-    assert "tdpbf16ps" in (tmp_path / "amx.md").read_text()
+    contenders = {r["contender"] for r in data["throughput"]}
+    assert {"stock bf16 matmul", "AVX-512 FMA block chains, pre-packed"} <= contenders
+    if amx.available():
+        assert data["numerics"] and all(r["measured model"] == 1.0 for r in data["numerics"])
+        assert "AMX block chains, pre-packed" in contenders
+        assert "tdpbf16ps" in (tmp_path / "amx.md").read_text()
+    else:
+        assert not data["numerics"] and "AMX block chains" not in contenders
