@@ -181,47 +181,37 @@ def test_block_chains_are_not_the_current_pair_chains(gen):
     assert (_bits(ref) != _bits(cur)).float().mean().item() > 0.2
 
 
-@needs_amx
+BLOCK_KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("fma", marks=needs_avx512f)]
+
+
+@pytest.mark.parametrize("kernel", BLOCK_KERNELS)
 @pytest.mark.parametrize("M,N,K,chunks", [(1, 1, 32, 1), (5, 17, 200, 4), (17, 40, 200, 8), (33, 33, 96, 2),
-                                          (40, 16, 256, 8)])
+                                          (40, 16, 256, 8), (3, 50, 2048, 8)])
 @pytest.mark.parametrize("inputs", ["hostile", "normal"])
-def test_amx_block_chains_equal_the_reference(M, N, K, chunks, inputs, gen):
-    """The AMX prototype of the proposed order gives its reference's bits, K tails (kc not a
-    multiple of 32), row and column tails included."""
+def test_block_chain_kernels_equal_the_reference(kernel, M, N, K, chunks, inputs, gen):
+    """The prototypes of the proposed order, on AMX and on AVX-512 FMAs under FTZ | DAZ (so a
+    CPU without AMX can follow it exactly), give the reference's bits: K tails (kc not a multiple
+    of 32), row and column tails, weights packed in the call or beforehand."""
+    op = getattr(torch.ops.tonp, f"{kernel}_linear_blocks")
     if inputs == "hostile":
         x, w = _hostile_bf16((M, K), gen), _hostile_bf16((N, K), gen)
     else:
         x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen, dtype=torch.bfloat16)
-    got = torch.ops.tonp.amx_linear_blocks(x, w, chunks)
+    got = op(x, w, chunks)
     assert torch.equal(_bits(got), _bits(amx.linear_blocks_reference(x, w, chunks)))
     packed = torch.ops.tonp.amx_pack_blocks(w, chunks)
-    assert torch.equal(_bits(torch.ops.tonp.amx_linear_blocks(x, w, chunks, packed)), _bits(got))
+    assert torch.equal(_bits(op(x, w, chunks, packed)), _bits(got))
 
 
-@needs_avx512f
-@pytest.mark.parametrize("M,N,K,chunks", [(1, 1, 32, 1), (5, 17, 200, 4), (17, 40, 200, 8), (3, 50, 2048, 8)])
-@pytest.mark.parametrize("inputs", ["hostile", "normal"])
-def test_fma_block_chains_equal_the_reference(M, N, K, chunks, inputs, gen):
-    """The same order on AVX-512 FMAs under FTZ | DAZ (no AMX): the reference's bits, so a CPU
-    without AMX can follow the proposal exactly (the instruction's bits where it has AMX)."""
-    if inputs == "hostile":
-        x, w = _hostile_bf16((M, K), gen), _hostile_bf16((N, K), gen)
-    else:
-        x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen, dtype=torch.bfloat16)
-    got = torch.ops.tonp.fma_linear_blocks(x, w, chunks)
-    assert torch.equal(_bits(got), _bits(amx.linear_blocks_reference(x, w, chunks)))
-    if HAS_AMX:
-        assert torch.equal(_bits(got), _bits(torch.ops.tonp.amx_linear_blocks(x, w, chunks)))
-
-
-@needs_amx
-def test_amx_block_chains_are_row_and_thread_invariant(gen):
-    """Each row's bits alone equal its bits in a batch of 70 (tiles of 16 and 32 rows, tails),
-    with one thread or two."""
+@pytest.mark.parametrize("kernel", BLOCK_KERNELS)
+def test_block_chain_kernels_are_row_and_thread_invariant(kernel, gen):
+    """Each row's bits alone equal its bits in a batch of 70 (AMX tiles of 16 and 32 rows, FMA
+    tiles of 4, and their tails), with one thread or two."""
+    op = getattr(torch.ops.tonp, f"{kernel}_linear_blocks")
     x, w = randn(70, 512, gen=gen, dtype=torch.bfloat16), randn(48, 512, gen=gen, dtype=torch.bfloat16)
-    full = torch.ops.tonp.amx_linear_blocks(x, w, 8)
+    full = op(x, w, 8)
     with num_threads(1):
-        assert torch.equal(torch.ops.tonp.amx_linear_blocks(x, w, 8), full)
-    for r in (0, 15, 16, 31, 32, 69):
-        assert torch.equal(torch.ops.tonp.amx_linear_blocks(x[r:r + 1], w, 8), full[r:r + 1])
-    assert torch.equal(torch.ops.tonp.amx_linear_blocks(x[3:40], w, 8), full[3:40])
+        assert torch.equal(op(x, w, 8), full)
+    for r in (0, 3, 15, 16, 31, 32, 69):
+        assert torch.equal(op(x[r:r + 1], w, 8), full[r:r + 1])
+    assert torch.equal(op(x[3:40], w, 8), full[3:40])

@@ -215,21 +215,40 @@ at::Tensor amx_pack_blocks(const at::Tensor& w, int64_t chunks) {
   return packed;
 }
 
-at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks,
-                             const c10::optional<at::Tensor>& packed) {
-  constexpr const char* op = "amx_linear_blocks";
+// The arguments of both block-chains kernels: x [M, K] bf16 against w [N, K] bf16, and packed
+// (when given) as amx_pack_blocks(w, chunks) returns it.
+BlockShape check_linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t chunks,
+                               const c10::optional<at::Tensor>& packed) {
   check_bf16(x, op, "x");
   check_block_args(op, w, chunks);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1), "tonp.", op, ": expected x [M, K] and w [N, K], got ",
                     x.sizes(), " and ", w.sizes());
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  const BlockShape s(K, chunks, N);
+  const BlockShape s(x.size(1), chunks, w.size(0));
   if (packed) {
     check_bf16(*packed, op, "packed");
     TORCH_CHECK_VALUE(packed->dim() == 1 && packed->numel() == s.packed_elems() && packed->is_contiguous(), "tonp.", op,
                       ": packed must be amx_pack_blocks(w, chunks) (", s.packed_elems(), " elements), got ",
                       packed->sizes());
   }
+  return s;
+}
+
+// A task's chunk partials part[c][rows][32] (tile = rows * 32 floats) closed by the chunk tree
+// (kernels_impl.h's order: neighbours at doubling strides, an odd last carried; IEEE adds, the
+// caller's MXCSR), stored as rows m0 .. m0 + mr of column groups g0, g0 + 1 of y [M, N].
+void finish_tiles(float* part, int64_t chunks, int64_t tile, int mr, int64_t m0, int64_t g0, int64_t N, float* ys) {
+  for (int64_t st = 1; st < chunks; st *= 2)
+    for (int64_t c = 0; c + st < chunks; c += 2 * st)
+      for (int64_t i = 0; i < tile; ++i) part[c * tile + i] = part[c * tile + i] + part[(c + st) * tile + i];
+  for (int r = 0; r < mr; ++r)
+    for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[r * 32 + n];
+}
+
+at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks,
+                             const c10::optional<at::Tensor>& packed) {
+  constexpr const char* op = "amx_linear_blocks";
+  const BlockShape s = check_linear_blocks(op, x, w, chunks, packed);
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   require_amx(op);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
@@ -258,12 +277,7 @@ at::Tensor amx_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t c
 #if TONP_AMX_BUILD
       block_tiles(xp.data(), ldx, wp, m0, mr, g0, ng, int(chunks), nb, part.data());
 #endif
-      // The chunk tree (kernels_impl.h's order: neighbours at doubling strides, an odd last carried).
-      for (int64_t st = 1; st < chunks; st *= 2)
-        for (int64_t c = 0; c + st < chunks; c += 2 * st)
-          for (int i = 0; i < 32 * 32; ++i) part[size_t(c * 1024 + i)] = part[size_t(c * 1024 + i)] + part[size_t((c + st) * 1024 + i)];
-      for (int r = 0; r < mr; ++r)
-        for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[size_t(r * 32 + n)];
+      finish_tiles(part.data(), chunks, 32 * 32, mr, m0, g0, N, ys);
     }
 #if TONP_AMX_BUILD
     _mm_setcsr(saved_csr);
@@ -317,16 +331,8 @@ __attribute__((target("avx512f,fma"))) void fma_block_tile(const float* xf, int6
 at::Tensor fma_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t chunks,
                              const c10::optional<at::Tensor>& packed) {
   constexpr const char* op = "fma_linear_blocks";
-  check_bf16(x, op, "x");
-  check_block_args(op, w, chunks);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1), "tonp.", op, ": expected x [M, K] and w [N, K], got ",
-                    x.sizes(), " and ", w.sizes());
+  const BlockShape s = check_linear_blocks(op, x, w, chunks, packed);
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  const BlockShape s(K, chunks, N);
-  if (packed)
-    TORCH_CHECK_VALUE(packed->scalar_type() == at::kBFloat16 && packed->dim() == 1 && packed->numel() == s.packed_elems() &&
-                          packed->is_contiguous(),
-                      "tonp.", op, ": packed must be amx_pack_blocks(w, chunks) (", s.packed_elems(), " elements)");
 #if TONP_AMX_BUILD
   TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"), "tonp.", op,
               ": this CPU has no AVX-512F");
@@ -367,11 +373,7 @@ at::Tensor fma_linear_blocks(const at::Tensor& x, const at::Tensor& w, int64_t c
                        part.data() + c * 4 * 32);
       _mm_setcsr(0x1f80u);  // the chunk tree: IEEE
 #endif
-      for (int64_t st = 1; st < chunks; st *= 2)
-        for (int64_t c = 0; c + st < chunks; c += 2 * st)
-          for (int i = 0; i < 4 * 32; ++i) part[size_t(c * 128 + i)] = part[size_t(c * 128 + i)] + part[size_t((c + st) * 128 + i)];
-      for (int r = 0; r < mr; ++r)
-        for (int n = 0; n < 32 && 16 * g0 + n < N; ++n) ys[(m0 + r) * N + 16 * g0 + n] = part[size_t(r * 32 + n)];
+      finish_tiles(part.data(), chunks, 4 * 32, mr, m0, g0, N, ys);
     }
 #if TONP_AMX_BUILD
     _mm_setcsr(saved_csr);
