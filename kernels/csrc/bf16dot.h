@@ -119,30 +119,52 @@ static inline const uint16_t* block16(const uint16_t* p, int64_t valid, uint16_t
 // ---------------------------------------------------------------------------------------------
 // Few rows: dot products. An MR x NR tile: each output's eight lanes in one vector, blocks of
 // 16 in order; x rows are read with chunk stride xkc (a multiple of 16, zero padded by the op).
+// Every chunk's chains run under one ChainScope (its MXCSR writes cost what a short chunk
+// computes), their raw lanes kept; the trees follow under IEEE. Tiles fit the 16 vector
+// registers of AVX2 (1 x 8: 12, 2 x 4: 14), so no accumulator is spilled.
 // ---------------------------------------------------------------------------------------------
+// One block of 16 elements of an MR x NR tile: w's NR rows at stride ldw, all 16 valid.
+template <int MR, int NR>
+static inline void pair_dot_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, V8* acc) {
+  V8 xo[MR], xe[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) vpairs(x + r * ldx, xo[r], xe[r]);
+#pragma GCC unroll 8
+  for (int n = 0; n < NR; ++n) {
+    V8 wo, we;
+    vpairs(w + n * ldw, wo, we);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) acc[r * NR + n] = vstep(xe[r], we, vstep(xo[r], wo, acc[r * NR + n]));
+  }
+}
+
 template <int MR, int NR>
 static inline void pair_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw,
                                  int64_t kc, int chunks, float* out, int64_t ldo) {
   constexpr int NT = MR * NR;
-  float part[tonp::kMaxChunks][NT];
-  for (int c = 0; c < chunks; ++c) {
-    V8 acc[NT];
-    for (int i = 0; i < NT; ++i) acc[i] = vzero();
-    {
-      ChainScope chain;
-      for (int64_t k = 0; k < kc; k += 16) {
-        V8 xo[MR], xe[MR];
-        for (int r = 0; r < MR; ++r) vpairs(x + r * ldx + c * xkc + k, xo[r], xe[r]);
-        for (int n = 0; n < NR; ++n) {
-          uint16_t tmp[16];
-          V8 wo, we;
-          vpairs(block16(w + n * ldw + c * kc + k, kc - k, tmp), wo, we);
-          for (int r = 0; r < MR; ++r) acc[r * NR + n] = vstep(xe[r], we, vstep(xo[r], wo, acc[r * NR + n]));
-        }
+  V8 raw[tonp::kMaxChunks][NT];  // each chunk's lanes, before the trees
+  const int64_t kfull = kc / 16 * 16;
+  {
+    ChainScope chain;
+    for (int c = 0; c < chunks; ++c) {
+      V8 acc[NT];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) acc[i] = vzero();
+      const uint16_t* xc = x + c * xkc;
+      const uint16_t* wc = w + c * kc;
+      for (int64_t k = 0; k < kfull; k += 16) pair_dot_block<MR, NR>(xc + k, ldx, wc + k, ldw, acc);
+      if (kfull < kc) {  // the chunk's last block, zero past kc
+        uint16_t tail[NR][16];
+        for (int n = 0; n < NR; ++n)
+          for (int i = 0; i < 16; ++i) tail[n][i] = kfull + i < kc ? wc[n * ldw + kfull + i] : uint16_t(0);
+        pair_dot_block<MR, NR>(xc + kfull, ldx, &tail[0][0], 16, acc);
       }
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) raw[c][i] = acc[i];
     }
-    tile_hsum<NT>(acc, part[c]);
   }
+  float part[tonp::kMaxChunks][NT];
+  for (int c = 0; c < chunks; ++c) tile_hsum<NT>(raw[c], part[c]);
   tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
 }
 
@@ -243,7 +265,7 @@ static void pair_panel16(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t ro
     float* pbuf = res + rows * kPanel;
     pair_rows_blocked(x, ldx, xkc, rows, W, ldw, kc, chunks, ncols, res, pbuf, pbuf + chunks * rows * kPanel);
   } else {
-    for_row_tiles<3>(rows, [&](int64_t r, auto mr) {
+    for_row_tiles<2>(rows, [&](int64_t r, auto mr) {
       pair_dot_cols<mr()>(x + r * ldx, ldx, xkc, W, ldw, kc, chunks, ncols, res + r * kPanel);
     });
   }
