@@ -144,6 +144,7 @@ static inline void pair_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, co
   constexpr int NT = MR * NR;
   V8 raw[tonp::kMaxChunks][NT];  // each chunk's lanes, before the trees
   const int64_t kfull = kc / 16 * 16;
+  const bool ahead = ldw * 2 < 4096;  // rows under a page apart: the hardware streams stop at each
   {
     ChainScope chain;
     for (int c = 0; c < chunks; ++c) {
@@ -152,7 +153,16 @@ static inline void pair_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, co
       for (int i = 0; i < NT; ++i) acc[i] = vzero();
       const uint16_t* xc = x + c * xkc;
       const uint16_t* wc = w + c * kc;
-      for (int64_t k = 0; k < kfull; k += 16) pair_dot_block<MR, NR>(xc + k, ldx, wc + k, ldw, acc);
+      int64_t k = 0;
+      if (ahead)  // per cache line of the weight rows, the next tile's rows (integer addresses: a hint)
+        for (; k + 32 <= kfull; k += 32) {
+#pragma GCC unroll 8
+          for (int n = 0; n < NR; ++n)
+            prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(wc + k) + 2 * uintptr_t((n + NR) * ldw)));
+          pair_dot_block<MR, NR>(xc + k, ldx, wc + k, ldw, acc);
+          pair_dot_block<MR, NR>(xc + k + 16, ldx, wc + k + 16, ldw, acc);
+        }
+      for (; k < kfull; k += 16) pair_dot_block<MR, NR>(xc + k, ldx, wc + k, ldw, acc);
       if (kfull < kc) {  // the chunk's last block, zero past kc
         uint16_t tail[NR][16];
         for (int n = 0; n < NR; ++n)
