@@ -148,7 +148,6 @@ def main(argv=None):
     if not has_amx and not _has_avx512f():
         print(f"amx_bench: this CPU ({meta['cpu']}) has no AMX-BF16 and no AVX-512F; nothing to measure")
         return 0
-    meta["isa"] = tk.isa()
     meta["amx"] = has_amx
     num_md, num = "", []
     if has_amx:

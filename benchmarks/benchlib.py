@@ -126,10 +126,19 @@ def summarize(samples: Sequence[float], stat: str = "median") -> float:
 
 
 def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers (a VM may show only "AMD EPYC":
+    family 25 model 1 is Zen 3, family 25 model 17 Zen 4)."""
     try:
+        info = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break                                   # the first processor's block only
+            info.setdefault(key.strip(), value.strip())
+        if "model name" in info:
+            ids = ", ".join(f"{name} {info[key]}" for key, name in
+                            (("cpu family", "family"), ("model", "model")) if key in info)
+            return info["model name"] + (f" ({ids})" if ids else "")
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
@@ -147,11 +156,21 @@ def cpu_flags() -> List[str]:
     return []
 
 
+def kernel_isa() -> str:
+    """The kernel table tonp's ops run on this CPU (tonp_kernels.isa(): avx512bf16, avx2,
+    portable), or "not built"."""
+    try:
+        import tonp_kernels
+        return tonp_kernels.isa()
+    except (ImportError, RuntimeError, AttributeError):
+        return "not built"
+
+
 def machine_meta() -> dict:
     """What a reader needs to judge the numbers: CPU, threads, versions, load average."""
     import transformers
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "cpu_flags": cpu_flags(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "isa": kernel_isa(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "load_before": os.getloadavg()[0]}
 

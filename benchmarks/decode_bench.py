@@ -200,7 +200,6 @@ def main(argv=None) -> dict:
     rounds = 1 if a.quick else a.rounds
     cfg = make_config(a)
     meta = machine_meta()
-    meta["isa"] = tk.isa()
     size = "smoke" if a.smoke else "quick" if a.quick else "full"
     machine = roofline.measure_machine(size)
     machine.update(bf16_gemm_GFLOPs(size))

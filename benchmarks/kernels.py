@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import tonp_kernels as tk
 from tonp_kernels import stock
 
-from benchlib import cpu_name  # benchmarks/ is on sys.path when run as a script
+from benchlib import cpu_flags, cpu_name, kernel_isa  # benchmarks/ is on sys.path when run as a script
 
 LINEAR_SHAPES = (  # (name, K, N)
     ("qkv/o 2048->4096", 2048, 4096),
@@ -277,7 +277,8 @@ def met(r):
 
 def markdown(linear_rows, attn_rows, meta) -> str:
     out = [f"# tonp kernel benchmark ({meta['date']})", "",
-           f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
+           f"{meta['cpu']} ({', '.join(meta['cpu_flags']) or 'no AVX flags'}), kernel table "
+           f"**{meta['isa']}**, {meta['threads']} threads, torch {meta['torch']}; "
            f"memory copy {meta['copy_GBs']:.2f} GB/s (read + write). "
            f"{meta['stat'].capitalize()} of the samples after a warm-up (at least {meta['repeat']}; from "
            f"M = 8, torch fp32 and tonp sampled in turn for ~{ROUNDS_S:.0f} s); "
@@ -345,8 +346,8 @@ def main():
     tk.use("invariant")
     built = kernels_built()
     copy_gbs = copy_bandwidth(args.quick)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "built": built,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "cpu_flags": cpu_flags(),
+            "isa": kernel_isa(), "threads": torch.get_num_threads(), "torch": torch.__version__, "built": built,
             "copy_GBs": copy_gbs, "repeat": args.repeat, "quick": args.quick,
             "stat": args.stat, "load_before": os.getloadavg()[0]}
     print(f"copy bandwidth {copy_gbs:.2f} GB/s; tonp kernels built: {built}", flush=True)

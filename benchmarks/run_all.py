@@ -155,7 +155,8 @@ def markdown(meta, machine, cases, runs, store, extra) -> str:
     flag = "" if meta["mode"] == "full" else f", --{meta['mode']}"
     out = [f"# tonp benchmarks ({meta['date']}{flag})",
            "",
-           f"{meta['cpu']} ({', '.join(meta['cpu_flags']) or 'no AVX flags'}), {meta['threads']} "
+           f"{meta['cpu']} ({', '.join(meta['cpu_flags']) or 'no AVX flags'}), kernel table "
+           f"**{meta['isa']}**, {meta['threads']} "
            f"threads, torch {meta['torch']}, transformers {meta['transformers']}; load average "
            f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after. Every ratio is "
            f"measured side by side in this run; absolute numbers drift with the machine's load.",

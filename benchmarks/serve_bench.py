@@ -157,7 +157,8 @@ def report(a, meta, samples, stats) -> dict:
         f"{a.prompts} prompts x {a.group} samples; every prompt = a {a.system_len}-token shared "
         f"prefix + {a.prompt_len} own tokens; {a.new} new tokens each (temperature 1); "
         f"preset {a.preset} {' '.join(a.set)}; max {a.batch} running, {a.step_tokens}-token "
-        f"steps; {meta['threads']} threads on {meta['cpu']} (load {meta['load_before']:.1f}), "
+        f"steps; {meta['threads']} threads on {meta['cpu']}, kernel table {meta['isa']} (load "
+        f"{meta['load_before']:.1f}), "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. "
         f"Median of {a.rounds} rounds after a warm-up, each round new prompts, contenders "
         f"one after the other.",

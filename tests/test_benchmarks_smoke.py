@@ -19,6 +19,10 @@ def test_run_all_smoke_writes_report(tmp_path):
     data = run_all.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path)])
     md = (tmp_path / "latest_smoke.md").read_text()
     assert "## Targets" in md and "## Model: tiny-1L" in md
+    # every report names the CPU (model name, family and model) and the kernel table it ran
+    import tonp_kernels as tk
+    assert f"kernel table **{tk.isa()}**" in md and data["meta"]["isa"] == tk.isa()
+    assert "family " in data["meta"]["cpu"] or not Path("/proc/cpuinfo").exists()
     res = data["cases"][0]["results"]["fp32"]
     assert set(res) == {"tonp invariant", "tonp torch", "transformers"}
     for engine in res.values():
@@ -95,7 +99,8 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
         assert r["bound"]["kind"] in ("memory", "compute") and 0 < r["fraction_of_bound"]
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
     md = (tmp_path / "decode_smoke.md").read_text()
-    assert "kernel table" in md and "vLLM:" in md
+    import tonp_kernels as tk
+    assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md
 
 
 @pytest.mark.timeout(300)
