@@ -96,10 +96,12 @@ struct Kernels {
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
   // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows)
-  // floats (uninitialised).
+  // floats (uninitialised). xl: where the table has pack_lanes and the call runs lane passes
+  // (linear_lane_passes), the same rows lane-packed by it (required: those lane passes read x
+  // there; the same operands in the same order); otherwise null.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
-                       int64_t ldo, Elem oelem, float* scratch);
+                       int64_t ldo, Elem oelem, float* scratch, const float* xl);
   // Causal attention for one query position and one KV head (G query heads), online softmax
   // over key blocks of `block` positions aligned to position 0.
   void (*attention)(const AttnQuery& a, int G, int D, int block, Elem kv, float scale,
@@ -138,6 +140,10 @@ struct Kernels {
   void (*grad_to_bf16)(const float* src, uint16_t* dst, int64_t n);
   // SwiGLU's backward (gemm.h): dg, du of silu(gate) * up given dh (fp32), gate/up/dg/du in e.
   void (*swiglu_grad)(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e);
+  // The rows [0, rows) of x (fp32, row stride ldx, K = chunks * kc) lane-packed for
+  // linear_panel's lane passes: rows * K floats at xl, made once per row block and read by every
+  // panel of it. Null where the build's lane passes read x in place (AVX-512).
+  void (*pack_lanes)(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl);
 };
 
 const Kernels* kernels_avx2();

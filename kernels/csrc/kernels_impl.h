@@ -44,7 +44,8 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // closed by hsum8. From 8 rows (20 with bf16 weights, 3 for chunks of at most 8:
 // linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
 // product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
-// tree across the eight lane vectors.
+// tree across the eight lane vectors; the AVX2 and portable builds read x lane-packed (pack_lanes,
+// once per row block), the AVX-512 build in place.
 // The layout, the tile, the loop order and the row block are chosen from the task's row count:
 // they change which outputs are computed side by side, never the FMA chains, the hsum tree or
 // the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
@@ -227,16 +228,34 @@ static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int6
 }
 #else
 constexpr int kLaneTileRows = 4;
+
+// x lane-packed: the row block's x in the order the lane passes read it, made once per row block
+// and read by every panel of it. Tile by tile (kLaneTileRows rows, the last tile the rows left;
+// tile r's data at xl + r * K), chunk by chunk (at c * MR * kc within the tile), lane by lane, the
+// lane's k = l, l + 8, ... in order, the tile's rows innermost. A lane pass then takes its
+// broadcasts from one contiguous run rather than from MR strided rows: an exact copy, the same
+// operands in the same order (on the AMD EPYC, AVX2, 1.1-1.3x the lane passes at K = 768-4096).
+static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
+    float* t = xl + r0 * kc * chunks;
+    for (int c = 0; c < chunks; ++c)
+      for (int l = 0; l < 8; ++l)
+        for (int64_t k = l; k < kc; k += 8)
+          for (int r = 0; r < mr(); ++r) *t++ = x[(r0 + r) * ldx + c * kc + k];
+  });
+}
+
+// lane_tile reading x lane-packed: xl = the tile's chunk (its lanes one after another).
 template <int MR>
-static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
   float lanes[8][MR * kPanel];
   for (int l = 0; l < 8; ++l) {
     V8 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
-    for (int64_t k = l; k < kc; k += 8) {
+    for (int64_t k = l; k < kc; k += 8, xl += MR) {
       const V8 w0 = vload(wt + k * kPanel), w1 = vload(wt + k * kPanel + 8);
       for (int r = 0; r < MR; ++r) {
-        const V8 xb = vset1(xc[r * ldx + k]);
+        const V8 xb = vset1(xl[r]);
         acc[r][0] = vfma(xb, w0, acc[r][0]);
         acc[r][1] = vfma(xb, w1, acc[r][1]);
       }
@@ -270,9 +289,11 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
 // row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
 // computes, finished by the same chunk tree: only the loop order differs from the dot products.
+// xl: x lane-packed (pack_lanes; the AVX2 and portable builds' lane tiles read it) or null
+// (AVX-512: its zmm lane tiles read x in place).
 template <typename T>
-static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
-                                int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
+static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
+                                int64_t kc, int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
                                 float* wt /* [kc, 16] */) {
   const int64_t cstride = rows * kPanel;
   constexpr int64_t kLine = 64 / int64_t(sizeof(T));
@@ -297,7 +318,13 @@ static void linear_rows_blocked(const float* x, int64_t ldx, int64_t rows, const
         }
       continue;
     }
+#if !defined(TONP_AVX512)  // x lane-packed (pack_lanes)
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+      lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, wt, kc, pc + r * kPanel);
+    });
+#else
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) { lane_tile<mr()>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); });
+#endif
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
@@ -314,7 +341,7 @@ static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, i
 
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
-                         Elem oelem, float* scratch) {
+                         Elem oelem, float* scratch, const float* xl) {
   float* res = scratch;  // [rows, 16] finished sums
   float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (lane passes only)
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
@@ -323,11 +350,11 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   const bool lanes = tonp::linear_lane_passes(rows, kc, welem);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);
-    lanes ? linear_rows_blocked(x, ldx, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
           : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   } else {
     const uint16_t* w = static_cast<const uint16_t*>(W);
-    lanes ? linear_rows_blocked(x, ldx, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
           : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   }
   for (int64_t r = 0; r < rows; ++r)
