@@ -175,18 +175,10 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we));
-      // fp32 lane passes: a block's rows lane-packed once, for all of its panels this thread runs.
-      const bool pack = !pairs && kern->pack_lanes && linear_lane_passes(max_rows, kc, we);
-      const auto xl = scratch_floats(pack ? max_rows * Kd : 0);
-      int64_t packed = -1;  // the block xl holds
+      LanePack lanes(kern, !pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
-        const bool lanes_packed = pack && linear_lane_passes(k.rows, kc, we);
-        if (lanes_packed && packed != t / np) {
-          kern->pack_lanes(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, kc, int(chunks), xl.get());
-          packed = t / np;
-        }
         const int ncols = int(std::min<int64_t>(pw, N - p * pw));
         const char* wt = w + (k.e * N + p * pw) * Kd * wsz;
         char* o = out + (k.r0 * N + p * pw) * xsz;
@@ -196,7 +188,8 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
                                   scratch.get());
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
-                             nullptr, ncols, o, N, xe, scratch.get(), lanes_packed ? xl.get() : nullptr);
+                             nullptr, ncols, o, N, xe, scratch.get(),
+                             lanes.of(t / np, reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, int(chunks)));
       }
     });
   };

@@ -68,21 +68,13 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     const int64_t rows_max = std::min(rb, M);
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
                                               : linear_scratch(chunks, Kd, rows_max, welem));
-    // fp32 lane passes: the row block's x lane-packed once, for all of its panels this thread runs.
-    const bool pack = !pairs && kern->pack_lanes && linear_lane_passes(rows_max, kc, welem);
-    const auto xl = scratch_floats(pack ? rows_max * Kd : 0);
-    int64_t packed = -1;  // the row block xl holds
+    LanePack lanes(kern, !pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
     for (int64_t t = begin; t < end; ++t) {
       // bf16 pairs: a panel's row blocks run one after another (its packed weights come from
       // L2 after the first); fp32: a row block's panels.
       const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
       const int ncols = int(std::min<int64_t>(pw, N - p * pw));
-      const bool lanes_packed = pack && linear_lane_passes(rows, kc, welem);
-      if (lanes_packed && packed != mb) {
-        kern->pack_lanes(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, kc, int(chunks), xl.get());
-        packed = mb;
-      }
       if (pairs)
         kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, xkc, rows,
                                 reinterpret_cast<const uint16_t*>(wp) + p * pw * Kd, Kd, kc, int(chunks),
@@ -91,7 +83,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
       else
         kern->linear_panel(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, wp + p * pw * Kd * esz, Kd, welem,
                            kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
-                           oelem, scratch.get(), lanes_packed ? xl.get() : nullptr);
+                           oelem, scratch.get(),
+                           lanes.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks)));
     }
   });
   return out;

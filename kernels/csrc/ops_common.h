@@ -91,6 +91,31 @@ at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
 // they read; a zero-filled std::vector cost a memset per call on the decode path).
 inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); }
 
+// One thread's lane-packed x for linear_panel (Kernels::pack_lanes): a row block packed once and
+// kept for the panels that follow it. of(block, ...) returns the packing linear_panel takes for
+// that call (null where the call runs dot products or the build reads x in place), packing when
+// the block differs from the last one packed. Built for blocks of at most max_rows rows.
+class LanePack {
+ public:
+  LanePack(const Kernels* kern, bool fp32_lanes, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
+      : kern_(kern), kc_(kc), welem_(welem),
+        on_(fp32_lanes && kern->pack_lanes && linear_lane_passes(max_rows, kc, welem)),
+        buf_(scratch_floats(on_ ? max_rows * K : 0)) {}
+  const float* of(int64_t block, const float* x, int64_t ldx, int64_t rows, int chunks) {
+    if (!on_ || !linear_lane_passes(rows, kc_, welem_)) return nullptr;
+    if (block != packed_) kern_->pack_lanes(x, ldx, rows, kc_, chunks, buf_.get()), packed_ = block;
+    return buf_.get();
+  }
+
+ private:
+  const Kernels* kern_;
+  int64_t kc_;
+  Elem welem_;
+  bool on_;
+  std::unique_ptr<float[]> buf_;
+  int64_t packed_ = -1;
+};
+
 inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
   TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
