@@ -16,11 +16,6 @@ import os
 import sys
 import time
 
-# This file's folder holds benchmarks/kernels.py, which would shadow Hugging Face's `kernels`
-# package that transformers (inside vLLM) probes: run without it on the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -10,7 +10,7 @@ Writes benchmarks/results/latest.{md,json,png} (--quick: latest_quick.*): the ma
 transformers for each model and dtype (model_bench.py), every comparison as a ratio measured side
 by side in this run, each tonp figure as a fraction of the bound that limits it, the targets
 (met / NOT met), torch.profiler tables of the largest costs where a target is missed, and
-the kernel (kernels.py), collective (collectives.py), rollout-service (serve_bench.py) and
+the kernel (kernel_bench.py), collective (collectives.py), rollout-service (serve_bench.py) and
 pipeline / context parallelism (parallel_bench.py) and training-speed (train_bench.py)
 tables, run as subprocesses.
 """
@@ -34,7 +34,7 @@ from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_me
 
 BYTES = {"fp32": 4, "bf16": 2}
 METRICS = ("decode_b1", "decode_b16", "prefill", "train")
-PEERS = (("Kernels (benchmarks/kernels.py)", "kernels_quick.md"),
+PEERS = (("Kernels (benchmarks/kernel_bench.py)", "kernels_quick.md"),
          ("Collectives (benchmarks/collectives.py)", "collectives.md"),
          ("Rollout service (benchmarks/serve_bench.py)", "serve_quick.md"),
          ("Pipeline and context parallelism (benchmarks/parallel_bench.py)", "parallel.md"))
@@ -306,7 +306,7 @@ def main(argv=None) -> dict:
                     help="only the models whose name starts with one of these (e.g. tiny, 30B)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--kernels-full", action="store_true",
-                    help="run kernels.py at full size (default: its --quick, for time)")
+                    help="run kernel_bench.py at full size (default: its --quick, for time)")
     ap.add_argument("--skip-collectives", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-parallel", action="store_true",
@@ -343,9 +343,9 @@ def main(argv=None) -> dict:
     extra = []
     if mode != "smoke":
         if not args.skip_kernels:
-            k = run_peer("kernels.py", [] if args.kernels_full else ["--quick"],
+            k = run_peer("kernel_bench.py", [] if args.kernels_full else ["--quick"],
                          "kernels.md" if args.kernels_full else "kernels_quick.md", 1200)
-            extra += [("Kernels (benchmarks/kernels.py)", k[1])] if k else []
+            extra += [("Kernels (benchmarks/kernel_bench.py)", k[1])] if k else []
         if not args.skip_collectives:
             c = run_peer("collectives.py", ["--quick"], "collectives.md", 900)
             extra += [("Collectives (benchmarks/collectives.py)", c[1])] if c else []

@@ -13,14 +13,34 @@ docs/CONTRACT.md is the numerics contract, docs/kernels.md how the package meets
 call is routed on each device (from the op table, `tonp_kernels.table`), docs/accelerators.md
 the Triton kernels; `tonp_kernels.reference` holds the torch oracles.
 """
-from ._arg_checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
-from ._library import FLOAT_DTYPES, MAX_CHUNKS, isa
-from ._mode import BACKENDS, MODES, NUMERICS, get_backend, get_mode, get_numerics, use
-from .ops import (DEFAULT_CHUNKS, attention_paged, attention_varlen, linear, linear_partial,
-                  moe_combine, moe_experts, moe_route, rms_norm, rope, silu_mul, tree_sum)
-from .vocab import (argmax, log_softmax, logsumexp, lse_finish, lse_partial, max_with_index,
-                    sample, target_logit, token_logprobs)
-from . import reference  # noqa: F401
+if __name__ == "kernels":
+    # This folder is tonp_kernels' source. From a checkout's root (cwd on sys.path) it shadows the
+    # installed package named `kernels` (Hugging Face's, which transformers >= 5.25 requires and
+    # imports, and whose egg_info writer setuptools loads while building tonp): hand the name to
+    # that package, or fail as if this folder were not here.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ is the source "
+                                  "of tonp_kernels: import tonp_kernels)", name="kernels")
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module  # what `import kernels` returns once this body ends
+    _spec.loader.exec_module(_module)
+else:
+    from ._arg_checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
+    from ._library import FLOAT_DTYPES, MAX_CHUNKS, isa
+    from ._mode import BACKENDS, MODES, NUMERICS, get_backend, get_mode, get_numerics, use
+    from .ops import (DEFAULT_CHUNKS, attention_paged, attention_varlen, linear, linear_partial,
+                      moe_combine, moe_experts, moe_route, rms_norm, rope, silu_mul, tree_sum)
+    from .vocab import (argmax, log_softmax, logsumexp, lse_finish, lse_partial, max_with_index,
+                        sample, target_logit, token_logprobs)
+    from . import reference  # noqa: F401
 
 __all__ = [
     "use", "get_mode", "get_numerics", "get_backend", "MODES", "NUMERICS", "BACKENDS", "isa", "MAX_CHUNKS", "FLOAT_DTYPES", "reference", "check_temperature", "MIN_TEMPERATURE",

@@ -50,13 +50,13 @@ def test_roofline_counts_active_weights():
 
 
 def test_kernel_benchmark_samples_candidates_in_turn():
-    """benchmarks/kernels.py times the baseline and tonp round by round (a, b, c, a, b, c, ...),
+    """benchmarks/kernel_bench.py times the baseline and tonp round by round (a, b, c, a, b, c, ...),
     so a drifting load falls on all of them alike. Checks the order and count of the calls, not
     any timing."""
     # Loaded under its own name: a module called `kernels` in sys.modules would shadow Hugging
     # Face's `kernels` package, which transformers probes.
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_bench.py"
     spec = importlib.util.spec_from_file_location("tonp_bench_kernels", path)
     kbench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kbench)

@@ -1,6 +1,6 @@
 """Kernel benchmark: tonp's order-locked CPU kernels against stock torch, in one run.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels.py [--quick]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_bench.py [--quick]
 
 Prints a markdown table and writes benchmarks/results/kernels.md and kernels.json:
   * linear GFLOP/s for Qwen3-30B-A3B shapes (hidden 2048: qkv/o/router/expert projections) at
