@@ -1,7 +1,9 @@
 // The pair chains of bf16dot.h on the AVX512-BF16 instruction itself (isa_avx512bf16.cpp only):
 // vdpbf16ps performs one step of eight (ymm) or sixteen (zmm) lanes' chains, bit for bit the
 // emulation's step, and twice the multiply-adds per instruction of fp32 FMAs on 512-bit vectors.
-// Included after kernels_impl.h and bf16dot.h, in the same namespace.
+// Included after kernels_impl.h and bf16dot.h, in the same namespace. Weight prefetches go to L2
+// (prefetch_w): on the AMD EPYC (Zen 4) the experts' decode stage (1-32 rows a 64-expert stream, 2
+// threads) ran 1.15-1.43x as fast in turn as with prefetches into L1.
 
 // Sixteen bf16 from p, zero past `valid` (a chunk's last block).
 static inline __m256i hw_block16(const uint16_t* p, int64_t valid) {
@@ -27,8 +29,7 @@ static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, cons
     for (int64_t k = 0; k < kc; k += 16) {
       if (prefetch_ahead && (k & 31) == 0)  // once per cache line; integer addresses (never faults)
         for (int n = 0; n < NR; ++n)
-          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) +
-                                                 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k)));
+          prefetch_w(reinterpret_cast<uintptr_t>(w) + 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k));
       __m256i xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * ldx + c * xkc + k));
       for (int n = 0; n < NR; ++n) {
@@ -58,8 +59,7 @@ static inline void hw_dot_tile2(const uint16_t* x, int64_t ldx, int64_t xkc, con
     for (int64_t k = 0; k < kc; k += 16) {
       if (prefetch_ahead && (k & 31) == 0)
         for (int n = 0; n < NR; ++n)
-          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) +
-                                                 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k)));
+          prefetch_w(reinterpret_cast<uintptr_t>(w) + 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k));
       __m512i xv[MP];
       for (int p = 0; p < MP; ++p) {
         const uint16_t* xr = x + 2 * p * ldx + c * xkc + k;
@@ -195,7 +195,7 @@ static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t
     if (c + 1 < chunks)
       for (int n = 0; n < ncols; ++n)
         for (int64_t k = 0; k < kc; k += 32)
-          prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(W) + 2 * uintptr_t(n * ldw + (c + 1) * kc + k)));
+          prefetch_w(reinterpret_cast<uintptr_t>(W) + 2 * uintptr_t(n * ldw + (c + 1) * kc + k));
     for (int q = 0; q < nz; ++q)
       hw_pack_chunk(W + q * 16 * ldw + c * kc, ldw, std::min(16, ncols - 16 * q), kc, wp + c * wstride + q * 16, nz * 16);
   }

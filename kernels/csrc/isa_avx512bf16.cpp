@@ -64,7 +64,8 @@ const Kernels* kernels_avx512bf16() {
     static Kernels t = *kernels_avx2();
     t.name = TONP_ISA_NAME;
     t.linear_panel = tonp_avx512bf16::linear_panel;
-    t.pack_lanes = nullptr;  // its lane tiles (eight rows of zmm) read x in place
+    t.pack_lanes = tonp_avx512bf16::pack_lanes;  // packed for its 8-row zmm lane tiles
+    t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;

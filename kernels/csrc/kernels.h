@@ -15,6 +15,7 @@ constexpr int kPanel = 16;  // output columns per weight panel (one micro tile w
 constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
+constexpr int kLaneRowsZmm = 10;  // the same in the AVX-512 build (4-row dot tiles in its 32 registers)
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
@@ -34,19 +35,20 @@ struct AttnQuery {
 };
 
 // Whether a linear task of `rows` rows with chunks of kc runs lane passes (kernels_impl.h): from
-// kLaneRows rows (fp32 weights) or kLaneRowsBf16 (bf16: the dot products widen each weight as
+// lane_rows rows (fp32 weights: the table's Kernels::lane_rows_f32) or kLaneRowsBf16 (bf16: the dot products widen each weight as
 // they stream it, the lane passes only in their transpose, which few rows do not amortise), and
 // from 3 rows when a chunk is one lane step (kc <= 8), where a dot product is mostly its
 // horizontal sum. Measured on the project's CPU; the choice never changes a bit.
-inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w) {
-  return rows >= (w == Elem::BF16 ? kLaneRowsBf16 : kLaneRows) || (kc <= 8 && rows >= 3);
+inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) {
+  return rows >= (w == Elem::BF16 ? kLaneRowsBf16 : lane_rows) || (kc <= 8 && rows >= 3);
 }
 
-// Scratch floats a linear_panel call of at most `rows` rows needs: finished sums [rows, 16]; for
+// Scratch floats a linear_panel call of at most `rows` rows needs (lane_rows: the table's
+// Kernels::lane_rows_f32): finished sums [rows, 16]; for
 // lane passes also chunk partials [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
 // Sized by the call, so a one-row call on a large weight touches 64 bytes.
-inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w) {
-  if (!linear_lane_passes(rows, K / chunks, w)) return rows * kPanel;
+inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows) {
+  if (!linear_lane_passes(rows, K / chunks, w, lane_rows)) return rows * kPanel;
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
@@ -96,8 +98,8 @@ struct Kernels {
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
   // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows)
-  // floats (uninitialised). xl: where the table has pack_lanes and the call runs lane passes
-  // (linear_lane_passes), the same rows lane-packed by it (required: those lane passes read x
+  // floats (uninitialised). xl: where the call runs lane passes (linear_lane_passes with
+  // lane_rows_f32), the same rows lane-packed by it (required: those lane passes read x
   // there; the same operands in the same order); otherwise null.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
@@ -142,8 +144,11 @@ struct Kernels {
   void (*swiglu_grad)(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e);
   // The rows [0, rows) of x (fp32, row stride ldx, K = chunks * kc) lane-packed for
   // linear_panel's lane passes: rows * K floats at xl, made once per row block and read by every
-  // panel of it. Null where the build's lane passes read x in place (AVX-512).
+  // panel of it (in the order of the build's lane tiles: four rows, AVX-512 eight).
   void (*pack_lanes)(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl);
+  // The row count from which linear_panel runs lane passes with fp32 weights (linear_lane_passes):
+  // kLaneRows, the AVX-512 build kLaneRowsZmm. Which path runs never changes a bit.
+  int lane_rows_f32;
 };
 
 const Kernels* kernels_avx2();

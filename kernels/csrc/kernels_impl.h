@@ -33,6 +33,23 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
                         : vload(static_cast<const uint16_t*>(p) + i);
 }
 
+// Per build: the dot products' row tile, the fp32 row count from which lane passes run (the
+// table's lane_rows_f32) and the cache level the weight prefetches fill. The AVX-512 build has 32
+// vector registers, so its dot tiles take four rows (16 accumulators); and it prefetches weights
+// into L2, not L1 (prefetcht1): on the AMD EPYC (Zen 4) the experts' decode stage, 2-8 rows a
+// 64-expert fp32 stream on 2 threads, ran 1.2-1.7x as fast in turn, the lane passes 1.1-1.3x.
+// Neither changes a bit: which rows share a tile and when a line arrives.
+#if defined(TONP_AVX512)
+constexpr int kDotTileRows = 4;
+constexpr int kLaneRowsBuild = tonp::kLaneRowsZmm;
+constexpr int kWeightPrefetch = 2;
+#else
+constexpr int kDotTileRows = 3;
+constexpr int kLaneRowsBuild = tonp::kLaneRows;
+constexpr int kWeightPrefetch = 3;
+#endif
+static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kWeightPrefetch); }
+
 // ---------------------------------------------------------------------------------------------
 // Linear. The order of one output y[m, n] within a chunk of kc: eight lanes, lane l accumulating
 // the products x[m, k] * w[n, k] for k = l, l + 8, ... in sequence (an FMA chain from 0), the
@@ -40,12 +57,12 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 //
 // Two layouts compute this. For few rows, dot products: each output's eight lanes in one vector,
-// the weight streamed in place (1x8 tiles for one row, 3x4 for more, narrower at a panel's edges),
-// closed by hsum8. From 8 rows (20 with bf16 weights, 3 for chunks of at most 8:
+// the weight streamed in place (1x8 tiles for one row, 3x4 for more (AVX-512: 4x4), narrower at a
+// panel's edges), closed by hsum8. From 8 rows (AVX-512: 10; 20 with bf16 weights, 3 for chunks of at most 8:
 // linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
 // product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
-// tree across the eight lane vectors; the AVX2 and portable builds read x lane-packed (pack_lanes,
-// once per row block), the AVX-512 build in place.
+// tree across the eight lane vectors (the AVX-512 build: 8x16 tiles, a row's sixteen outputs in one
+// zmm), x read lane-packed (pack_lanes, once per row block).
 // The layout, the tile, the loop order and the row block are chosen from the task's row count:
 // they change which outputs are computed side by side, never the FMA chains, the hsum tree or
 // the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
@@ -112,8 +129,7 @@ static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t 
   for (; k + kLine <= k8; k += kLine) {
     if (prefetch_ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
       for (int n = 0; n < NR; ++n)
-        prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(wc) +
-                                               sizeof(T) * uintptr_t((n + prefetch_ahead) * ldw + k)));
+        prefetch_w(reinterpret_cast<uintptr_t>(wc) + sizeof(T) * uintptr_t((n + prefetch_ahead) * ldw + k));
     for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
   }
   for (; k < k8; k += 8) step(k);
@@ -209,32 +225,18 @@ static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_
 // across vectors: exactly the values and the order of dot_chunk, without a horizontal sum per
 // output. wt: the chunk's weights transposed, [kc, 16] (columns past ncols zero).
 #if defined(TONP_AVX512)
-// The AVX-512 build: the same lane chains with a row's sixteen outputs in one zmm, eight rows a
-// tile (eight independent FMA chains per lane pass): the same operands in the same order.
-constexpr int kLaneTileRows = 8;
-template <int MR>
-static inline void lane_tile(const float* xc, int64_t ldx, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
-  alignas(64) float lanes[8][MR * kPanel];
-  for (int l = 0; l < 8; ++l) {
-    __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = l; k < kc; k += 8) {
-      const __m512 w = _mm512_loadu_ps(wt + k * kPanel);
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xc[r * ldx + k]), w, acc[r]);
-    }
-    for (int r = 0; r < MR; ++r) _mm512_store_ps(lanes[l] + r * kPanel, acc[r]);
-  }
-  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
-}
+constexpr int kLaneTileRows = 8;  // the AVX-512 build: a row's sixteen outputs in one zmm, eight rows a tile
 #else
-constexpr int kLaneTileRows = 4;
+constexpr int kLaneTileRows = 4;  // AVX2, portable: a row's sixteen outputs in two vectors, four rows a tile
+#endif
 
 // x lane-packed: the row block's x in the order the lane passes read it, made once per row block
 // and read by every panel of it. Tile by tile (kLaneTileRows rows, the last tile the rows left;
 // tile r's data at xl + r * K), chunk by chunk (at c * MR * kc within the tile), lane by lane, the
 // lane's k = l, l + 8, ... in order, the tile's rows innermost. A lane pass then takes its
 // broadcasts from one contiguous run rather than from MR strided rows: an exact copy, the same
-// operands in the same order (on the AMD EPYC, AVX2, 1.1-1.3x the lane passes at K = 768-4096).
+// operands in the same order (AMD EPYC, lane passes reading x in place against packed, in turn:
+// AVX2 on Zen 3 1.1-1.3x at K = 768-4096; the zmm tiles on Zen 4 1.0-1.26x).
 static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
   for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
     float* t = xl + r0 * kc * chunks;
@@ -245,7 +247,25 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
   });
 }
 
-// lane_tile reading x lane-packed: xl = the tile's chunk (its lanes one after another).
+#if defined(TONP_AVX512)
+// The AVX-512 build's lane tile: eight independent FMA chains per lane pass, the same operands in
+// the same order.
+template <int MR>
+static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+  alignas(64) float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = l; k < kc; k += 8, xl += MR) {
+      const __m512 w = _mm512_loadu_ps(wt + k * kPanel);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xl[r]), w, acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(lanes[l] + r * kPanel, acc[r]);
+  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
+}
+#else
+// The lane tile of the AVX2 and portable builds: xl = the tile's chunk (its lanes one after another).
 template <int MR>
 static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
   float lanes[8][MR * kPanel];
@@ -289,8 +309,7 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
 // row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
 // computes, finished by the same chunk tree: only the loop order differs from the dot products.
-// xl: x lane-packed (pack_lanes; the AVX2 and portable builds' lane tiles read it) or null
-// (AVX-512: its zmm lane tiles read x in place).
+// xl: x lane-packed (pack_lanes).
 template <typename T>
 static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
                                 int64_t kc, int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
@@ -308,7 +327,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
     const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
     for (int n = 0; n < kPanel; ++n)
       for (int64_t k = 0; k < kc; k += kLine)
-        prefetch(reinterpret_cast<const void*>(next + sizeof(T) * uintptr_t(n * ldw + k)));
+        prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
     if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
       for (int64_t r = 0; r < rows; ++r)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
@@ -318,13 +337,9 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
         }
       continue;
     }
-#if !defined(TONP_AVX512)  // x lane-packed (pack_lanes)
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, wt, kc, pc + r * kPanel);
     });
-#else
-    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) { lane_tile<mr()>(xc + r * ldx, ldx, wt, kc, pc + r * kPanel); });
-#endif
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
@@ -334,7 +349,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
 template <typename T>
 static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
                         int chunks, int ncols, float* res) {
-  for_row_tiles<3>(rows, [&](int64_t r, auto mr) {
+  for_row_tiles<kDotTileRows>(rows, [&](int64_t r, auto mr) {
     dot_tile_cols<mr(), T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
   });
 }
@@ -347,7 +362,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
   // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
   // bytes of fp32); more rows (linear_lane_passes) run lane passes.
-  const bool lanes = tonp::linear_lane_passes(rows, kc, welem);
+  const bool lanes = tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);
     lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)

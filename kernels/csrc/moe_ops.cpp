@@ -174,7 +174,7 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
   auto stage = [&](const char* in, int64_t ld, int64_t xk, int64_t Kd, const char* w, int64_t N, char* out) {
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
-      const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we));
+      const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32));
       LanePack lanes(kern, !pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];

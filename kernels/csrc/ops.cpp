@@ -67,7 +67,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                    [&](int64_t begin, int64_t end) {
     const int64_t rows_max = std::min(rb, M);
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
-                                              : linear_scratch(chunks, Kd, rows_max, welem));
+                                              : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32));
     LanePack lanes(kern, !pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
     for (int64_t t = begin; t < end; ++t) {
       // bf16 pairs: a panel's row blocks run one after another (its packed weights come from

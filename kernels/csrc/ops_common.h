@@ -93,16 +93,16 @@ inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_p
 
 // One thread's lane-packed x for linear_panel (Kernels::pack_lanes): a row block packed once and
 // kept for the panels that follow it. of(block, ...) returns the packing linear_panel takes for
-// that call (null where the call runs dot products or the build reads x in place), packing when
+// that call (null where the call runs dot products), packing when
 // the block differs from the last one packed. Built for blocks of at most max_rows rows.
 class LanePack {
  public:
   LanePack(const Kernels* kern, bool fp32_lanes, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
       : kern_(kern), kc_(kc), welem_(welem),
-        on_(fp32_lanes && kern->pack_lanes && linear_lane_passes(max_rows, kc, welem)),
+        on_(fp32_lanes && linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
         buf_(scratch_floats(on_ ? max_rows * K : 0)) {}
   const float* of(int64_t block, const float* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !linear_lane_passes(rows, kc_, welem_)) return nullptr;
+    if (!on_ || !linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)) return nullptr;
     if (block != packed_) kern_->pack_lanes(x, ldx, rows, kc_, chunks, buf_.get()), packed_ = block;
     return buf_.get();
   }
