@@ -17,7 +17,8 @@ if __name__ == "kernels":
     # This folder is tonp_kernels' source. From a checkout's root (cwd on sys.path) it shadows the
     # installed package named `kernels` (Hugging Face's, which transformers >= 5.25 requires and
     # imports, and whose egg_info writer setuptools loads while building tonp): hand the name to
-    # that package, or fail as if this folder were not here.
+    # that package. Where none is installed, stay an empty module with no submodules (an older
+    # transformers imports it to read a version, and must find none), whose attributes say why.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -27,11 +28,16 @@ if __name__ == "kernels":
     _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _path)
     if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ is the source "
-                                  "of tonp_kernels: import tonp_kernels)", name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # what `import kernels` returns once this body ends
-    _spec.loader.exec_module(_module)
+        __path__ = []  # noqa: F811  (no submodules: kernels.x is not found)
+
+        def __getattr__(name):
+            raise AttributeError(f"module 'kernels' has no attribute {name!r}: no package named "
+                                 "'kernels' is installed, and this checkout's kernels/ folder is "
+                                 "the source of tonp_kernels (import tonp_kernels)")
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # what `import kernels` returns once this body ends
+        _spec.loader.exec_module(_module)
 else:
     from ._arg_checks import MAX_TEMPERATURE, MIN_TEMPERATURE, check_temperature
     from ._library import FLOAT_DTYPES, MAX_CHUNKS, isa
