@@ -234,7 +234,7 @@ BlockShape check_linear_blocks(const char* op, const at::Tensor& x, const at::Te
 }
 
 // A task's chunk partials part[c][rows][32] (tile = rows * 32 floats) closed by the chunk tree
-// (kernels_impl.h's order: neighbours at doubling strides, an odd last carried; IEEE adds, the
+// (linear_impl.h's chunk_tree order: neighbours at doubling strides, an odd last carried; IEEE adds, the
 // caller's MXCSR), stored as rows m0 .. m0 + mr of column groups g0, g0 + 1 of y [M, N].
 void finish_tiles(float* part, int64_t chunks, int64_t tile, int mr, int64_t m0, int64_t g0, int64_t N, float* ys) {
   for (int64_t st = 1; st < chunks; st *= 2)

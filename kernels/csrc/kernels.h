@@ -16,7 +16,7 @@ constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row 
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 constexpr int kLaneRowsZmm = 10;  // the same in the AVX-512 build (4-row dot tiles in its 32 registers)
-constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (kernels_impl.h)
+constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
@@ -34,7 +34,7 @@ struct AttnQuery {
   int64_t pos;           // the query's position t; keys 0..t are valid
 };
 
-// Whether a linear task of `rows` rows with chunks of kc runs lane passes (kernels_impl.h): from
+// Whether a linear task of `rows` rows with chunks of kc runs lane passes (linear_impl.h): from
 // lane_rows rows (fp32 weights: the table's Kernels::lane_rows_f32) or kLaneRowsBf16 (bf16: the dot products widen each weight as
 // they stream it, the lane passes only in their transpose, which few rows do not amortise), and
 // from 3 rows when a chunk is one lane step (kc <= 8), where a dot product is mostly its

@@ -1,0 +1,349 @@
+// The fp32-FMA linear (dot-product tiles and lane passes), compiled once per ISA as part of
+// kernels_impl.h (included there, inside the ISA's namespace, after its element helpers).
+
+// Per build: the dot products' row tile, the fp32 row count from which lane passes run (the
+// table's lane_rows_f32) and the cache level the weight prefetches fill. The AVX-512 build has 32
+// vector registers, so its dot tiles take four rows (16 accumulators); and it prefetches weights
+// into L2, not L1 (prefetcht1): on the AMD EPYC (Zen 4) the experts' decode stage, 2-8 rows a
+// 64-expert fp32 stream on 2 threads, ran 1.2-1.7x as fast in turn, the lane passes 1.1-1.3x.
+// Neither changes a bit: which rows share a tile and when a line arrives.
+#if defined(TONP_AVX512)
+constexpr int kDotTileRows = 4;
+constexpr int kLaneRowsBuild = tonp::kLaneRowsZmm;
+constexpr int kWeightPrefetch = 2;
+#else
+constexpr int kDotTileRows = 3;
+constexpr int kLaneRowsBuild = tonp::kLaneRows;
+constexpr int kWeightPrefetch = 3;
+#endif
+static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kWeightPrefetch); }
+
+// ---------------------------------------------------------------------------------------------
+// Linear. The order of one output y[m, n] within a chunk of kc: eight lanes, lane l accumulating
+// the products x[m, k] * w[n, k] for k = l, l + 8, ... in sequence (an FMA chain from 0), the
+// last kc % 8 products going to lanes 0.. in order; then the fixed hsum tree. Every path (one row
+// or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
+//
+// Two layouts compute this. For few rows, dot products: each output's eight lanes in one vector,
+// the weight streamed in place (1x8 tiles for one row, 3x4 for more (AVX-512: 4x4), narrower at a
+// panel's edges), closed by hsum8. From 8 rows (AVX-512: 10; 20 with bf16 weights, 3 for chunks of at most 8:
+// linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
+// product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
+// tree across the eight lane vectors (the AVX-512 build: 8x16 tiles, a row's sixteen outputs in one
+// zmm), x read lane-packed (pack_lanes, once per row block).
+// The layout, the tile, the loop order and the row block are chosen from the task's row count:
+// they change which outputs are computed side by side, never the FMA chains, the hsum tree or
+// the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
+// ---------------------------------------------------------------------------------------------
+// part[i] = hsum(acc[i]) for a tile's NT accumulators (hsum8: the same tree, eight at a time).
+template <int NT>
+static inline void tile_hsum(const V8* acc, float* part) {
+  for (int i = 0; i < NT; i += 8) {
+    V8 g[8];
+    for (int j = 0; j < 8; ++j) g[j] = i + j < NT ? acc[i + j] : vzero();
+    float h[8];
+    vstore(h, hsum8(g));
+    for (int j = 0; j < 8 && i + j < NT; ++j) part[i + j] = h[j];
+  }
+}
+
+// part[i] = tree8 of the eight lane values lanes[l * stride + i], i < n (lane-wise, as hsum).
+static inline void lanes_tree(const float* lanes, int64_t stride, int64_t n, float* part) {
+  for (int64_t i = 0; i < n; i += 8) {
+    auto L = [&](int l) { return vload(lanes + l * stride + i); };
+    vstore(part + i, vadd(vadd(vadd(L(0), L(1)), vadd(L(2), L(3))), vadd(vadd(L(4), L(5)), vadd(L(6), L(7)))));
+  }
+}
+
+// Row tiles of a block: f(r, integral_constant<MR>) for tiles of MAX rows from row r, then one
+// tile of the remaining rows (MAX <= 8). Only which rows share a tile depends on this.
+template <int MAX, typename F>
+static inline void for_row_tiles(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + MAX <= rows; r += MAX) f(r, std::integral_constant<int, MAX>());
+  switch (rows - r) {
+    case 7: if constexpr (MAX > 7) f(r, std::integral_constant<int, 7>()); break;
+    case 6: if constexpr (MAX > 6) f(r, std::integral_constant<int, 6>()); break;
+    case 5: if constexpr (MAX > 5) f(r, std::integral_constant<int, 5>()); break;
+    case 4: if constexpr (MAX > 4) f(r, std::integral_constant<int, 4>()); break;
+    case 3: if constexpr (MAX > 3) f(r, std::integral_constant<int, 3>()); break;
+    case 2: if constexpr (MAX > 2) f(r, std::integral_constant<int, 2>()); break;
+    case 1: f(r, std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+
+// One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
+// prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
+template <int MR, int NR, typename T>
+static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, int64_t ldw, int64_t kc, int64_t prefetch_ahead,
+                             float* part) {
+  constexpr int NT = MR * NR;
+  const int64_t k8 = kc / 8 * 8;
+  V8 acc[NT];
+  for (int i = 0; i < NT; ++i) acc[i] = vzero();
+  auto step = [&](int64_t k) {
+    V8 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = vload(xc + r * ldx + k);
+    for (int n = 0; n < NR; ++n) {
+      const V8 wv = vload(wc + n * ldw + k);
+      for (int r = 0; r < MR; ++r) acc[r * NR + n] = vfma(xv[r], wv, acc[r * NR + n]);
+    }
+  };
+  // Per cache line of weights: prefetch rows ahead at this k (a weight row is a few pages, too
+  // short for the hardware streams to ramp up; a hint, no arithmetic), then the line's steps.
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  int64_t k = 0;
+  for (; k + kLine <= k8; k += kLine) {
+    if (prefetch_ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
+      for (int n = 0; n < NR; ++n)
+        prefetch_w(reinterpret_cast<uintptr_t>(wc) + sizeof(T) * uintptr_t((n + prefetch_ahead) * ldw + k));
+    for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
+  }
+  for (; k < k8; k += 8) step(k);
+  if (k8 < kc) {  // the tail products go to lanes 0.. in order, as a vector step would; the
+    const int nt = int(kc - k8);  // other lanes keep their value exactly (a select, not an add)
+    float xt[MR][8], wt[NR][8];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 8; ++j) xt[r][j] = j < nt ? xc[r * ldx + k8 + j] : 0.f;
+    for (int n = 0; n < NR; ++n)
+      for (int j = 0; j < 8; ++j) wt[n][j] = j < nt ? to_f32(wc[n * ldw + k8 + j]) : 0.f;
+    for (int r = 0; r < MR; ++r) {
+      const V8 xv = vload(xt[r]);
+      for (int n = 0; n < NR; ++n) {
+        V8& a = acc[r * NR + n];
+        a = vsel_first(nt, vfma(xv, vload(wt[n]), a), a);
+      }
+    }
+  }
+  tile_hsum<NT>(acc, part);
+}
+
+// The chunk tree over C partials spaced `stride` floats apart, in place, for n consecutive
+// outputs: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), lane-wise. The result is in p[0..n).
+static inline void chunk_tree(float* p, int64_t stride, int chunks, int64_t n) {
+  for (int step = 1; step < chunks; step *= 2)
+    for (int c = 0; c + step < chunks; c += 2 * step) {
+      float* a = p + c * stride;
+      const float* b = p + (c + step) * stride;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) vstore(a + i, vadd(vload(a + i), vload(b + i)));
+      for (; i < n; ++i) a[i] = a[i] + b[i];
+    }
+}
+
+// An MR x NR tile's chunk partials part[c][r * NR + n] closed by the chunk tree, into out.
+template <int MR, int NR>
+static inline void tile_finish(float* part, int chunks, float* out, int64_t ldo) {
+  chunk_tree(part, MR * NR, chunks, MR * NR);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) out[r * ldo + n] = part[r * NR + n];
+}
+
+// All chunks of one tile, then the tree (the one-row path: the tile streams its weight rows once).
+// ldw: the stride between the tile's weight rows (two rows for a one-row call's interleaved
+// tiles, dot_tile_cols). Prefetching rows ahead pays when the tile computes more per byte (two or
+// more rows) or its rows lie under a page apart (the hardware streams stop at each row's end).
+// One row over rows a page or more apart streams as fast without the hints, which cost issue
+// slots (measured cold on two threads: the router's bf16 GEMV 24 -> 20 us).
+template <int MR, int NR, typename T>
+static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
+                            float* out /* [MR, ldo_part] */, int64_t ldo) {
+  constexpr int NT = MR * NR;
+  float part[tonp::kMaxChunks][NT];  // per-chunk partials of the tile's outputs
+  const int64_t ahead = MR > 1 || ldw * int64_t(sizeof(T)) < 4096 ? 2 * NR : 0;
+  for (int c = 0; c < chunks; ++c) dot_chunk<MR, NR, T>(x + c * kc, ldx, w + c * kc, ldw, kc, ahead, part[c]);
+  tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
+}
+
+template <int MR, typename T>
+static inline void dot_tile_cols(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, int chunks,
+                                 int ncols, float* out, int64_t ldo) {
+  int n = 0;
+  if (MR == 1 && ncols == kPanel) {
+    // One row streams the weight, eight weight rows at a time (eight streams in flight): a full
+    // panel's even rows, then its odd rows. Each stream then runs on into the next row, which the
+    // hardware prefetcher has already begun to fetch, instead of all eight starting cold on rows
+    // no stream has touched. Measured cold on two threads: the router's bf16 GEMV 24-29 -> 19-23
+    // us, the down projection's 150-179 -> 116-146 us, fp32 even or faster. The same dot_tile
+    // computes each output; only which rows share a tile changes.
+    float t[8];
+    for (int odd = 0; odd < 2; ++odd) {
+      dot_tile<1, 8, T>(x, ldx, w + odd * ldw, 2 * ldw, kc, chunks, t, 8);
+      for (int j = 0; j < 8; ++j) out[2 * j + odd] = t[j];
+    }
+    return;
+  }
+  if (MR == 1)  // an edge panel: eight rows at a time, then narrower tiles
+    for (; n + 8 <= ncols; n += 8) dot_tile<1, 8, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo);
+  for (; n + 4 <= ncols; n += 4) dot_tile<MR, 4, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo);
+  switch (ncols - n) {
+    case 3: dot_tile<MR, 3, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
+    case 2: dot_tile<MR, 2, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
+    case 1: dot_tile<MR, 1, T>(x, ldx, w + n * ldw, ldw, kc, chunks, out + n, ldo); break;
+    default: break;
+  }
+}
+
+// The many-row path computes the same lane chains transposed. Lane l of output (m, n) is the
+// chain over k = l, l + 8, ... of the chunk (k mod 8 = l, tail included): for a fixed lane that is
+// an outer product, sixteen outputs of a row in two vectors, one broadcast of x[m, k] per k, so a
+// row tile needs no horizontal sum. Each lane's chains go to `lanes`, and the eight lane values
+// of an output are finished by the hsum tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), lane-wise
+// across vectors: exactly the values and the order of dot_chunk, without a horizontal sum per
+// output. wt: the chunk's weights transposed, [kc, 16] (columns past ncols zero).
+#if defined(TONP_AVX512)
+constexpr int kLaneTileRows = 8;  // the AVX-512 build: a row's sixteen outputs in one zmm, eight rows a tile
+#else
+constexpr int kLaneTileRows = 4;  // AVX2, portable: a row's sixteen outputs in two vectors, four rows a tile
+#endif
+
+// x lane-packed: the row block's x in the order the lane passes read it, made once per row block
+// and read by every panel of it. Tile by tile (kLaneTileRows rows, the last tile the rows left;
+// tile r's data at xl + r * K), chunk by chunk (at c * MR * kc within the tile), lane by lane, the
+// lane's k = l, l + 8, ... in order, the tile's rows innermost. A lane pass then takes its
+// broadcasts from one contiguous run rather than from MR strided rows: an exact copy, the same
+// operands in the same order (AMD EPYC, lane passes reading x in place against packed, in turn:
+// AVX2 on Zen 3 1.1-1.3x at K = 768-4096; the zmm tiles on Zen 4 1.0-1.26x).
+static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
+    float* t = xl + r0 * kc * chunks;
+    for (int c = 0; c < chunks; ++c)
+      for (int l = 0; l < 8; ++l)
+        for (int64_t k = l; k < kc; k += 8)
+          for (int r = 0; r < mr(); ++r) *t++ = x[(r0 + r) * ldx + c * kc + k];
+  });
+}
+
+#if defined(TONP_AVX512)
+// The AVX-512 build's lane tile: eight independent FMA chains per lane pass, the same operands in
+// the same order.
+template <int MR>
+static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+  alignas(64) float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = l; k < kc; k += 8, xl += MR) {
+      const __m512 w = _mm512_loadu_ps(wt + k * kPanel);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xl[r]), w, acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(lanes[l] + r * kPanel, acc[r]);
+  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
+}
+#else
+// The lane tile of the AVX2 and portable builds: xl = the tile's chunk (its lanes one after another).
+template <int MR>
+static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+  float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    V8 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t k = l; k < kc; k += 8, xl += MR) {
+      const V8 w0 = vload(wt + k * kPanel), w1 = vload(wt + k * kPanel + 8);
+      for (int r = 0; r < MR; ++r) {
+        const V8 xb = vset1(xl[r]);
+        acc[r][0] = vfma(xb, w0, acc[r][0]);
+        acc[r][1] = vfma(xb, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      vstore(lanes[l] + r * kPanel, acc[r][0]);
+      vstore(lanes[l] + r * kPanel + 8, acc[r][1]);
+    }
+  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
+}
+#endif
+
+// wt[k, n] = W[n, k] for the panel's ncols <= 16 weight rows and k < kc (columns past ncols
+// zero), widened to fp32: an exact copy, eight by eight through transpose8.
+template <typename T>
+static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t kc, float* wt) {
+  const int64_t k8 = kc / 8 * 8;
+  for (int n0 = 0; n0 < kPanel; n0 += 8) {
+    for (int64_t k = 0; k < k8; k += 8) {
+      V8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = n0 + i < ncols ? vload(W + (n0 + i) * ldw + k) : vzero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) vstore(wt + (k + i) * kPanel + n0, r[i]);
+    }
+    for (int64_t k = k8; k < kc; ++k)
+      for (int i = 0; i < 8; ++i) wt[k * kPanel + n0 + i] = n0 + i < ncols ? to_f32(W[(n0 + i) * ldw + k]) : 0.f;
+  }
+}
+
+// Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
+// row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
+// computes, finished by the same chunk tree: only the loop order differs from the dot products.
+// xl: x lane-packed (pack_lanes).
+template <typename T>
+static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
+                                int64_t kc, int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
+                                float* wt /* [kc, 16] */) {
+  const int64_t cstride = rows * kPanel;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  for (int c = 0; c < chunks; ++c) {
+    const float* xc = x + c * kc;
+    float* pc = pbuf + c * cstride;
+    transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
+    // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
+    // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
+    // the addresses are integers (past the last panel they may lie outside W; a prefetch never
+    // faults, and no out-of-range pointer is formed).
+    const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
+    for (int n = 0; n < kPanel; ++n)
+      for (int64_t k = 0; k < kc; k += kLine)
+        prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
+    if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
+      for (int64_t r = 0; r < rows; ++r)
+        for (int n0 = 0; n0 < kPanel; n0 += 8) {
+          V8 p[8];
+          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xc[r * ldx + l]), vload(wt + l * kPanel + n0), vzero()) : vzero();
+          vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
+        }
+      continue;
+    }
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+      lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, wt, kc, pc + r * kPanel);
+    });
+  }
+  chunk_tree(pbuf, cstride, chunks, cstride);
+  for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
+}
+
+// bf16 weights are widened to fp32 as they are loaded (exact), so they cost half the bytes.
+template <typename T>
+static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
+                        int chunks, int ncols, float* res) {
+  for_row_tiles<kDotTileRows>(rows, [&](int64_t r, auto mr) {
+    dot_tile_cols<mr(), T>(x + r * ldx, ldx, W, ldw, kc, chunks, ncols, res + r * kPanel, kPanel);
+  });
+}
+
+static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
+                         int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
+                         Elem oelem, float* scratch, const float* xl) {
+  float* res = scratch;  // [rows, 16] finished sums
+  float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (lane passes only)
+  float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
+  // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
+  // bytes of fp32); more rows (linear_lane_passes) run lane passes.
+  const bool lanes = tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
+  if (welem == Elem::F32) {
+    const float* w = static_cast<const float*>(W);
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
+  } else {
+    const uint16_t* w = static_cast<const uint16_t*>(W);
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < ncols; ++j) {
+      float v = res[r * kPanel + j];
+      if (bias) v = v + bias[j];
+      store1(out, r * ldo + j, v, oelem);
+    }
+}
