@@ -35,8 +35,9 @@ struct AttnQuery {
 };
 
 // Whether a linear task of `rows` rows with chunks of kc runs lane passes (linear_impl.h): from
-// lane_rows rows (fp32 weights: the table's Kernels::lane_rows_f32) or kLaneRowsBf16 (bf16: the dot products widen each weight as
-// they stream it, the lane passes only in their transpose, which few rows do not amortise), and
+// lane_rows rows (fp32 weights: the table's Kernels::lane_rows_f32) or kLaneRowsBf16 (bf16: the
+// dot products widen each weight as they stream it, the lane passes only in their transpose,
+// which few rows do not amortise), and
 // from 3 rows when a chunk is one lane step (kc <= 8), where a dot product is mostly its
 // horizontal sum. Measured on the project's CPU; the choice never changes a bit.
 inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) {
@@ -44,8 +45,8 @@ inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) 
 }
 
 // Scratch floats a linear_panel call of at most `rows` rows needs (lane_rows: the table's
-// Kernels::lane_rows_f32): finished sums [rows, 16]; for
-// lane passes also chunk partials [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
+// Kernels::lane_rows_f32): finished sums [rows, 16]; for lane passes also chunk partials
+// [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
 // Sized by the call, so a one-row call on a large weight touches 64 bytes.
 inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows) {
   if (!linear_lane_passes(rows, K / chunks, w, lane_rows)) return rows * kPanel;
@@ -97,10 +98,10 @@ struct Kernels {
   // Linear: rows [0, rows) of x (fp32, row stride ldx) times a panel of `ncols` <= 16 weight
   // rows (W [N, K] row-major from the panel's first row, fp32 or bf16, row stride ldw) -> ncols
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
-  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows)
-  // floats (uninitialised). xl: where the call runs lane passes (linear_lane_passes with
-  // lane_rows_f32), the same rows lane-packed by it (required: those lane passes read x
-  // there; the same operands in the same order); otherwise null.
+  // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows,
+  // welem, lane_rows_f32) floats (uninitialised). xl: where the call runs lane passes
+  // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
+  // those lane passes read x there; the same operands in the same order); otherwise null.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl);
