@@ -155,14 +155,16 @@ def pair_linear_reference(x, w, bias=None, chunks=8, out_dtype=None):
 def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
     """kc = 3, 5, 13 (odd chunk starts, padded blocks), 48 (a prefetched pair of blocks and one
     more), 96 and 256 (the model's)."""
-    x = randn(53, K, dtype=torch.bfloat16, gen=gen)
+    x = randn(98, K, dtype=torch.bfloat16, gen=gen)
     w = randn(N, K, dtype=torch.bfloat16, gen=gen, scale=K ** -0.5)
     bias = randn(N, dtype=torch.bfloat16, gen=gen)
     for out in (torch.float32, torch.bfloat16):
         want = pair_linear_reference(x, w, bias, out_dtype=out)
         # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, an odd row alone;
-        # emulated: tiles of 2, one row 8 columns wide), lane passes (from 48 rows on vdpbf16ps, 20 emulated)
-        for M in (1, 2, 3, 5, 7, 8, 9, 15, 21, 47, 48, 53):
+        # emulated: tiles of 2, one row 8 columns wide), lane passes (from 48 rows on vdpbf16ps:
+        # tiles of 3 and 2 rows over pairs of 16-column groups, an odd group over tiles of 5 and
+        # 4; 97 and 98 end on a 96-row block and a block of one or two rows; 20 emulated)
+        for M in (1, 2, 3, 5, 7, 8, 9, 15, 21, 47, 48, 53, 97, 98):
             got = tk.linear(x[:M], w, bias, out_dtype=out)
             assert torch.equal(_bits(got), _bits(want[:M])), f"M={M} out={out}"
 

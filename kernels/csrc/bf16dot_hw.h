@@ -139,45 +139,99 @@ static inline void hw_pack_chunk(const uint16_t* W, int64_t ldw, int ncols, int6
   }
 }
 
-// Many rows: lane by lane, an outer product of MR rows and NZ x 16 columns (NZ zmm accumulators
-// per row; one pair of x broadcast per row serves NZ instructions), over the lane's pairs
-// p = l, l + 8, ...; the eight lane values of each output are then closed by tree8.
-// wp: the chunk's pairs, [pair][NZ x 16 columns]. part: [MR, kPanelPairs].
+// Many rows: an outer product of MR rows and NZ x 16 columns over the lanes in two groups of four
+// (l = 0-3, then 4-7): each lane's chain runs over its pairs p = l, l + 8, ... in one zmm
+// accumulator per (row, 16 columns), the weight pairs as the register operand and the row's
+// pair of x broadcast (a product is the same either way round: one exact product, one
+// rounding). A group's four lanes close in registers as (a0 + a1) + (a2 + a3) and the two
+// groups' sums are added: tree8 with no lane value stored (a store per lane and output is what
+// short chunks cannot hide). wp: the chunk's pairs, pair p's columns at wp + p * ldp. part: [MR, kPanelPairs] from this
+// tile's first column.
 template <int MR, int NZ>
-static inline void hw_lane_tile(const uint16_t* xc, int64_t ldx, const uint32_t* wp, int64_t npairs, float* part) {
+static inline void hw_lane_tile(const uint16_t* xc, int64_t ldx, const uint32_t* wp, int64_t ldp, int64_t npairs,
+                                float* part) {
   constexpr int W = tonp::kPanelPairs;
-  alignas(64) float lanes[8][MR * W];
-  for (int l = 0; l < 8; ++l) {
-    __m512 acc[MR][NZ];
+  __m512 first[MR][NZ];
+  for (int g = 0; g < 2; ++g) {
+    __m512 acc[MR][NZ][4];
     for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < NZ; ++q) acc[r][q] = _mm512_setzero_ps();
-    for (int64_t p = l; p < npairs; p += 8) {
-      __m512i w[NZ];
-      for (int q = 0; q < NZ; ++q) w[q] = _mm512_loadu_si512(wp + (p * NZ + q) * 16);
-      for (int r = 0; r < MR; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, xc + r * ldx + 2 * p, 4);
-        const __m512i xb = _mm512_set1_epi32(pair);
-        for (int q = 0; q < NZ; ++q)
-          acc[r][q] = _mm512_dpbf16_ps(acc[r][q], reinterpret_cast<const __m512bh&>(xb), reinterpret_cast<const __m512bh&>(w[q]));
+      for (int q = 0; q < NZ; ++q)
+        for (int l = 0; l < 4; ++l) acc[r][q][l] = _mm512_setzero_ps();
+    for (int64_t p0 = 4 * g; p0 < npairs; p0 += 8)
+      for (int l = 0; l < 4; ++l) {
+        __m512i w[NZ];
+        for (int q = 0; q < NZ; ++q) w[q] = _mm512_loadu_si512(wp + (p0 + l) * ldp + 16 * q);
+        for (int r = 0; r < MR; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xc + r * ldx + 2 * (p0 + l), 4);
+          for (int q = 0; q < NZ; ++q)
+            acc[r][q][l] = _mm512_dpbf16_ps(acc[r][q][l], reinterpret_cast<const __m512bh&>(w[q]),
+                                            (__m512bh)_mm512_set1_epi32(pair));
+        }
       }
-    }
     for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < NZ; ++q) _mm512_store_ps(lanes[l] + r * W + q * 16, acc[r][q]);
+      for (int q = 0; q < NZ; ++q) {
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][q][0], acc[r][q][1]), _mm512_add_ps(acc[r][q][2], acc[r][q][3]));
+        if (g == 0) first[r][q] = s;
+        else _mm512_storeu_ps(part + r * W + 16 * q, _mm512_add_ps(first[r][q], s));
+      }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NZ; ++q) {
-      auto L = [&](int l) { return _mm512_load_ps(lanes[l] + r * W + q * 16); };
-      const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L(0), L(1)), _mm512_add_ps(L(2), L(3))),
-                                     _mm512_add_ps(_mm512_add_ps(L(4), L(5)), _mm512_add_ps(L(6), L(7))));
-      _mm512_storeu_ps(part + r * W + q * 16, s);
-    }
 }
 
-template <int NZ>
-static void hw_chunk_rows(const uint16_t* xc, int64_t ldx, int64_t rows, const uint32_t* wp, int64_t npairs, float* pc) {
+// Rows in tiles of at most MAX, as even as they split (a lone row would load a weight pair for
+// one or two FMAs): f(first row, rows as an integral constant).
+template <int MAX, class F>
+static inline void hw_even_tiles(int64_t rows, F&& f) {
+  const int64_t tiles = (rows + MAX - 1) / MAX, small = rows / tiles, big = rows % tiles;  // `big` tiles of small + 1
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t mr = small + (t < big);
+    if (mr == MAX) f(r, std::integral_constant<int, MAX>());
+    else if (MAX > 4 && mr == 4) f(r, std::integral_constant<int, (MAX > 4 ? 4 : 1)>());
+    else if (MAX > 3 && mr == 3) f(r, std::integral_constant<int, (MAX > 3 ? 3 : 1)>());
+    else if (mr == 2) f(r, std::integral_constant<int, 2>());
+    else f(r, std::integral_constant<int, 1>());
+    r += mr;
+  }
+}
+
+// A row block's partials of one chunk: the panel's 16-column groups two at a time over tiles of
+// three rows (24 accumulators), an odd last group alone over tiles of five (20).
+static void hw_chunk_rows(const uint16_t* xc, int64_t ldx, int64_t rows, const uint32_t* wp, int nz, int64_t npairs,
+                          float* pc) {
   constexpr int W = tonp::kPanelPairs;
-  for_row_tiles<6>(rows, [&](int64_t r, auto mr) { hw_lane_tile<mr(), NZ>(xc + r * ldx, ldx, wp, npairs, pc + r * W); });
+  const int64_t ldp = nz * 16;
+  if (nz >= 2)
+    hw_even_tiles<3>(rows, [&](int64_t r, auto mr) {
+      for (int q = 0; q + 2 <= nz; q += 2) hw_lane_tile<mr(), 2>(xc + r * ldx, ldx, wp + q * 16, ldp, npairs, pc + r * W + q * 16);
+    });
+  if (nz % 2) {
+    const int q = nz - 1;
+    hw_even_tiles<5>(rows, [&](int64_t r, auto mr) {
+      hw_lane_tile<mr(), 1>(xc + r * ldx, ldx, wp + q * 16, ldp, npairs, pc + r * W + q * 16);
+    });
+  }
+}
+
+// Finished sums [rows, kPanelPairs] + bias -> out, sixteen outputs per step: pair_store's
+// arithmetic (one fp32 add, a NaN made canonical, round to nearest even in integers, as
+// f32_to_bf16; vcvtneps2bf16 would flush subnormals).
+static inline void hw_pair_store(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
+                                 Elem oelem) {
+  constexpr int64_t W = tonp::kPanelPairs;
+  const __m512i nan32 = _mm512_set1_epi32(0x7fc00000), bit = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < ncols; j += 16) {
+      const __mmask16 m = ncols - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ncols - j)) - 1u);
+      __m512 v = _mm512_maskz_loadu_ps(m, res + r * W + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+      __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castps_si512(v), nan32);
+      if (oelem == Elem::F32) {
+        _mm512_mask_storeu_epi32(static_cast<float*>(out) + r * ldo + j, m, b);
+      } else {
+        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), bit)));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * ldo + j, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+      }
+    }
 }
 
 // Many rows: the panel's weights packed once, chunk by chunk (wp: [chunks][npairs][nz x 16]),
@@ -205,15 +259,10 @@ static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t
       const uint16_t* xc = x + r0 * ldx + c * xkc;
       const uint32_t* wc = wp + c * wstride;
       float* pc = pbuf + c * cstride;
-      switch (nz) {
-        case 1: hw_chunk_rows<1>(xc, ldx, n, wc, npairs, pc); break;
-        case 2: hw_chunk_rows<2>(xc, ldx, n, wc, npairs, pc); break;
-        case 3: hw_chunk_rows<3>(xc, ldx, n, wc, npairs, pc); break;
-        default: hw_chunk_rows<4>(xc, ldx, n, wc, npairs, pc); break;
-      }
+      hw_chunk_rows(xc, ldx, n, wc, nz, npairs, pc);
     }
     chunk_tree(pbuf, cstride, chunks, cstride);
-    pair_store(pbuf, WP, n, ncols, bias, static_cast<char*>(out) + r0 * ldo * osz, ldo, oelem);
+    hw_pair_store(pbuf, n, ncols, bias, static_cast<char*>(out) + r0 * ldo * osz, ldo, oelem);
   }
 }
 
