@@ -83,7 +83,8 @@ def make_config(a) -> Qwen3MoeConfig:
 
 def tonp_run(model, prompts: List[List[int]], new: int) -> dict:
     """One greedy generate of `prompts`: its wall time, decode-step times and the engine's time
-    per step outside the forward, and prompt 0's logprobs."""
+    per step outside the forward (None with new = 1: the prefill alone), and prompt 0's
+    logprobs."""
     clock = ForwardClock(model)
     t0 = time.perf_counter()
     with tk.use("invariant"):
@@ -94,8 +95,8 @@ def tonp_run(model, prompts: List[List[int]], new: int) -> dict:
     steps = [b - a for a, b in zip(starts[:-1], starts[1:])]
     fwd = [e - s for s, e in clock.spans[1:]]
     over = [st - f for st, f in zip(steps, fwd)]
-    return {"wall_s": wall, "step_s": statistics.median(steps),
-            "overhead_s": statistics.median(over), "forward_s": statistics.median(fwd),
+    med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    return {"wall_s": wall, "step_s": med(steps), "overhead_s": med(over), "forward_s": med(fwd),
             "logprobs0": out.logprobs[0].clone()}
 
 
@@ -233,12 +234,15 @@ def main(argv=None) -> dict:
                 if peer is not None:
                     peer.run(prompts[:1], 2)
                 best_t, best_p = None, None
+                pre_t, pre_p = float("inf"), float("inf")  # the prefill alone: a 1-token generate
                 for _ in range(rounds):
                     t = tonp_run(model, prompts, a.new)
                     best_t = t if best_t is None or t["wall_s"] < best_t["wall_s"] else best_t
+                    pre_t = min(pre_t, tonp_run(model, prompts, 1)["wall_s"])
                     if peer is not None:
                         p = peer.run(prompts, a.new)
                         best_p = p if best_p is None or p["wall_s"] < best_p["wall_s"] else best_p
+                        pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
                 read_now = roofline.read_bandwidth_now(64 if a.smoke else 256)
                 bd = bound(cfg, machine, dname, b, context, read_now)
                 if b == batches[0]:
@@ -250,10 +254,12 @@ def main(argv=None) -> dict:
                      best_t["overhead_s"], "tonp_e2e_tok_s": b * a.new / best_t["wall_s"],
                      "bound": bd, "read_GBs": read_now,
                      "fraction_of_bound": bd["bound_s"] / best_t["step_s"],
-                     "tonp_batch_invariant": same}
+                     "tonp_batch_invariant": same,
+                     "tonp_prefill_tok_s": b * a.prompt_len / pre_t}
                 if best_p is not None:
                     r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
                     r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
+                    r["vllm_prefill_tok_s"] = b * a.prompt_len / pre_p
                     r["vllm_differ_vs_batch1"] = sum(
                         x != y for x, y in zip(best_p["logprobs0"], ref_peer))
                 data["results"].append(r)
@@ -261,7 +267,11 @@ def main(argv=None) -> dict:
                              f"{100 * r['fraction_of_bound']:.0f}%",
                              f"{1e3 * r['tonp_overhead_s']:.1f} ms",
                              fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
-                             fmt_ratio(r.get("tonp_over_vllm")), "yes" if same else "NO",
+                             fmt_ratio(r.get("tonp_over_vllm")), fmt(r["tonp_prefill_tok_s"]),
+                             fmt(r.get("vllm_prefill_tok_s")),
+                             fmt_ratio(r.get("vllm_prefill_tok_s") and
+                                       r["tonp_prefill_tok_s"] / r["vllm_prefill_tok_s"]),
+                             "yes" if same else "NO",
                              str(r.get("vllm_differ_vs_batch1", "-"))])
                 log(f"  {dname} batch {b}: {rows[-1]}")
         finally:
@@ -271,7 +281,8 @@ def main(argv=None) -> dict:
             if tmp is not None:
                 tmp.cleanup()
     head = ["dtype", "batch", "tonp decode tok/s", "bound", "of bound", "engine overhead/step",
-            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp bits = batch 1",
+            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp prefill tok/s",
+            "vLLM prefill tok/s", "prefill tonp / vLLM", "tonp bits = batch 1",
             f"vLLM logprobs differing from batch 1 (of {a.new})"]
     md = (f"# Batched decode\n\n{meta['date']}; {meta['cpu']}; kernel table **{meta['isa']}**; "
           f"{meta['threads']} threads; model: {'tiny' if a.smoke else '30B-A3B shapes'}, "
@@ -285,7 +296,9 @@ def main(argv=None) -> dict:
           "bound (bytes over the read bandwidth probed after the batch, or FLOPs over the dtype's "
           "GEMM rate, whichever is larger) over the measured decode step. 'engine overhead': the "
           "median step's time outside the model's forward. e2e: generated tokens over one "
-          "generate call's wall time, prefill included, best of the rounds.\n")
+          "generate call's wall time, prefill included, best of the rounds. prefill: prompt "
+          "tokens over the wall time of a 1-token generate of the same prompts, best of the "
+          "rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
     write_results(a.out, stem, md, data)
     print(md)

@@ -88,8 +88,8 @@ def test_train_bench_quick_writes_its_targets(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
-    """benchmarks/decode_bench.py --smoke: every batch row has its bound, the engine's overhead
-    and tonp's batch-1 bits; vLLM is reported absent unless asked for."""
+    """benchmarks/decode_bench.py --smoke: every batch row has its bound, the engine's overhead,
+    the prefill's rate and tonp's batch-1 bits; vLLM is reported absent unless asked for."""
     import decode_bench
     data = decode_bench.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path)])
     rows = data["results"]
@@ -98,6 +98,7 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
         assert r["tonp_batch_invariant"] is True
         assert r["bound"]["kind"] in ("memory", "compute") and 0 < r["fraction_of_bound"]
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
+        assert r["tonp_prefill_tok_s"] > 0 and "vllm_prefill_tok_s" not in r
     md = (tmp_path / "decode_smoke.md").read_text()
     import tonp_kernels as tk
     assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md

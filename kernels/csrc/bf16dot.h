@@ -273,7 +273,7 @@ static void pair_panel16(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t ro
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo, Elem oelem,
                          float* scratch) {
   float* res = scratch;
-  if (tonp::bf16_lane_passes(rows, false)) {
+  if (tonp::bf16_lane_passes(rows, kc, false)) {
     float* pbuf = res + rows * kPanel;
     pair_rows_blocked(x, ldx, xkc, rows, W, ldw, kc, chunks, ncols, res, pbuf, pbuf + chunks * rows * kPanel);
   } else {

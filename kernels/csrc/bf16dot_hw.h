@@ -272,7 +272,7 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
                                  int64_t ldo, Elem oelem, float* scratch) {
   IeeeScope ieee;  // the trees' adds
   constexpr int64_t WP = tonp::kPanelPairs;
-  if (tonp::bf16_lane_passes(rows, true)) {
+  if (tonp::bf16_lane_passes(rows, kc, true)) {
     float* pbuf = scratch;
     hw_rows_blocked(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf,
                     reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP));

@@ -19,6 +19,8 @@ constexpr int kLaneRowsZmm = 10;  // the same in the AVX-512 build (4-row dot ti
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
+constexpr int kLaneRowsPairsShort = 12;  // the same for chunks of at most kShortChunk elements
+constexpr int kShortChunk = 96;  // K = 768 at C = 8: the experts' down projection
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
@@ -56,9 +58,13 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, i
 // Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 48 rows
 // (its dot products run two rows per zmm and stream the weights once for every row, while the
 // lane passes' packing pass costs what fewer rows do not amortise: measured on AMD Zen 5, 4-8 rows
-// 4x faster as dot products), emulated from 20 (unpacking a chunk to fp32 costs the same).
-// Measured on the project's CPU; the choice never changes a bit.
-inline bool bf16_lane_passes(int64_t rows, bool hw) { return rows >= (hw ? kLaneRowsPairs : kLaneRowsPairsEmu); }
+// 4x faster as dot products), or from 12 when a chunk is at most 96 elements (a dot product's
+// horizontal sum per chunk weighs more there: on Zen 4 the lane passes ran 1.1-1.4x the dot
+// products at 11-32 rows with K = 768); emulated from 20 (unpacking a chunk to fp32 costs the
+// same). Measured on the project's CPU; the choice never changes a bit.
+inline bool bf16_lane_passes(int64_t rows, int64_t kc, bool hw) {
+  return rows >= (!hw ? kLaneRowsPairsEmu : kc <= kShortChunk ? kLaneRowsPairsShort : kLaneRowsPairs);
+}
 
 // Elements of x a bf16 x bf16 linear reads per chunk: kc rounded up to the 16-element block (the
 // op zero-pads x to this chunk stride when kc is not a multiple of 16).

@@ -126,19 +126,22 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
   const ExpertGroups groups = group_by_expert(ids_, first_expert, E);
   const std::vector<int64_t>& start = groups.start;
   const std::vector<int64_t>& order = groups.order;
-  // Work items: (expert, first sorted row, rows) blocks of at most kRowBlock rows, even per expert.
-  struct Blk { int64_t e, r0, rows; };
-  std::vector<Blk> blks;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = start[e + 1] - start[e], rb = row_block(n), r0 = start[e]; r0 < start[e + 1]; r0 += rb)
-      blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
-  int64_t max_rows = 0;
-  for (const Blk& k : blks) max_rows = std::max(max_rows, k.rows);
-  const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
   // bf16 activations and weights: the pair chains (bf16dot.h) on bf16 rows, as linear runs them;
   // otherwise fp32 FMAs on rows widened to fp32. Rows are stored with each chunk zero padded to
   // the pair chains' 16-element blocks (a no-op stride when kc is a multiple of 16).
   const bool pairs = xe == Elem::BF16 && we == Elem::BF16;
+  // Work items: (expert, first sorted row, rows) blocks, even per expert: of at most kRowBlock
+  // rows, or for the pair chains kRowBlockPairs (as linear's tasks: one weight packing serves
+  // all of a task's rows; the kernel runs them kRowBlock at a time).
+  struct Blk { int64_t e, r0, rows; };
+  std::vector<Blk> blks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = start[e + 1] - start[e], rb = pairs ? bf16_row_block(n) : row_block(n), r0 = start[e];
+         r0 < start[e + 1]; r0 += rb)
+      blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
+  int64_t max_rows = 0;
+  for (const Blk& k : blks) max_rows = std::max(max_rows, k.rows);
+  const at::Tensor x = x_.contiguous(), gu = gu_.contiguous(), dn = dn_.contiguous();
   const int64_t xsz = xe == Elem::F32 ? 4 : 2, wsz = we == Elem::F32 ? 4 : 2, isz = pairs ? 2 : 4;
   const int64_t xkH = pairs ? bf16_chunk_stride(H / chunks) : H / chunks, xkI = pairs ? bf16_chunk_stride(I / chunks) : I / chunks;
   const int64_t ldH = chunks * xkH, ldI = chunks * xkI;
