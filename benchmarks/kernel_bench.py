@@ -288,9 +288,9 @@ def markdown(linear_rows, attn_rows, meta) -> str:
            + ("" if meta["built"] else " **tonp kernels not built: torch columns only.**"), "",
            "## Linear (GFLOP/s; x = ratio to torch fp32 in this run)", "",
            "| shape | M | torch fp32 | torch bf16 | tonp fp32 | tonp bf16 | tonp fp32 / torch fp32 "
-           "| tonp bf16 / torch fp32 | M=1 GB/s fp32 / bf16 (frac of copy probed beside) "
-           "| target |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| tonp bf16 / torch fp32 | tonp bf16 / torch bf16 "
+           "| M=1 GB/s fp32 / bf16 (frac of copy probed beside) | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in linear_rows:
         bf = fmt(r["torch_bf16"], 2) if r["torch_bf16"] else r.get("torch_bf16_note", "n/a")
         bw = ""
@@ -298,10 +298,12 @@ def markdown(linear_rows, attn_rows, meta) -> str:
             bw = (f"{r['tonp_fp32_GBs']:.2f} ({r['fp32_bw_frac']:.2f}) / "
                   f"{r['tonp_bf16_GBs']:.2f} ({r['bf16_bw_frac']:.2f}) "
                   f"of {r['copy_GBs_probed']:.1f}")
+        b16 = (f"{r['tonp_bf16'] / r['torch_bf16']:.2f}x" if r.get("tonp_bf16") and r["torch_bf16"]
+               else "n/a")
         out.append(f"| {r['shape']} | {r['M']} | {fmt(r['torch_fp32'])} | {bf} | "
                    f"{fmt(r.get('tonp_fp32'))} | {fmt(r.get('tonp_bf16'))} | "
                    f"{fmt(r.get('fp32_vs_torch_fp32'), 2)}x | "
-                   f"{fmt(r.get('bf16_vs_torch_fp32'), 2)}x | {bw} | {met(r)} |")
+                   f"{fmt(r.get('bf16_vs_torch_fp32'), 2)}x | {b16} | {bw} | {met(r)} |")
     out += ["", "## Attention (Hq 32, Hkv 4, head_dim 128, block 64)", "",
             "| case | dtype | torch SDPA | tonp | tonp / SDPA | target |",
             "|---|---|---|---|---|---|"]

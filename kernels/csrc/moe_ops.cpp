@@ -130,13 +130,14 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
   // otherwise fp32 FMAs on rows widened to fp32. Rows are stored with each chunk zero padded to
   // the pair chains' 16-element blocks (a no-op stride when kc is a multiple of 16).
   const bool pairs = xe == Elem::BF16 && we == Elem::BF16;
-  // Work items: (expert, first sorted row, rows) blocks, even per expert: of at most kRowBlock
-  // rows, or for the pair chains kRowBlockPairs (as linear's tasks: one weight packing serves
-  // all of a task's rows; the kernel runs them kRowBlock at a time).
+  // Work items: (expert, first sorted row, rows) blocks, even per expert, as linear's tasks: of
+  // at most the table's row_block_f32 rows, or for the pair chains kRowBlockPairs (one weight
+  // packing serves all of a task's rows; the kernel runs them kRowBlock at a time).
+  const Kernels* kern = K();
   struct Blk { int64_t e, r0, rows; };
   std::vector<Blk> blks;
   for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = start[e + 1] - start[e], rb = pairs ? bf16_row_block(n) : row_block(n), r0 = start[e];
+    for (int64_t n = start[e + 1] - start[e], rb = pairs ? bf16_row_block(n) : row_block(n, kern->row_block_f32), r0 = start[e];
          r0 < start[e + 1]; r0 += rb)
       blks.push_back({e, r0, std::min<int64_t>(rb, start[e + 1] - r0)});
   int64_t max_rows = 0;
@@ -155,7 +156,6 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
   char* hgp = static_cast<char*>(hg.data_ptr());
   char* ysp = static_cast<char*>(ys.data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
-  const Kernels* kern = K();
   // A row of n elements (dtype `from`) into a gathered row with chunks of kc at stride xk.
   auto put_row = [&](const char* src, Elem from, int64_t n, int64_t xk, char* dst) {
     const int64_t kc = n / chunks;

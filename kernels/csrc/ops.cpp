@@ -54,13 +54,14 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
   // (optimizer step, .data copy, inference tensor) is always seen.
   const at::Tensor wc = w.contiguous();
-  const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs ? bf16_row_block(M) : row_block(M), np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
+  const Kernels* kern = K();
+  const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs ? bf16_row_block(M) : row_block(M, kern->row_block_f32);
+  const int64_t np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, ldx = chunks * xkc;
   const char* xp = static_cast<const char*>(x.data_ptr());
   const char* wp = static_cast<const char*>(wc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const Kernels* kern = K();
   // A one-row call streams its weight: from 64k multiply-adds (a 256 KB fp32 weight) a second
   // thread's bandwidth pays for its wake-up.
   at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * pw, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),

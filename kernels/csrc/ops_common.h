@@ -73,13 +73,14 @@ inline int64_t grain_for(int64_t cost_per_task, int64_t min_work = int64_t(1) <<
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, cost_per_task));
 }
 
-// Rows per linear task: the fewest blocks of at most kRowBlock rows, made as even as the 4-row
-// micro tile allows, so the threads' shares match. Only which rows share a task depends on this.
-inline int64_t row_block(int64_t M) {
-  if (M <= 0) return kRowBlock;
-  const int64_t nb = (M + kRowBlock - 1) / kRowBlock;
+// Rows per fp32-arithmetic linear task: the fewest blocks of at most `cap` rows (the table's
+// Kernels::row_block_f32), made as even as the 4-row micro tile allows, so the threads' shares
+// match. Only which rows share a task depends on this.
+inline int64_t row_block(int64_t M, int64_t cap) {
+  if (M <= 0) return cap;
+  const int64_t nb = (M + cap - 1) / cap;
   const int64_t rb = (M + nb - 1) / nb;
-  return std::min<int64_t>(kRowBlock, (rb + 3) / 4 * 4);
+  return std::min<int64_t>(cap, (rb + 3) / 4 * 4);
 }
 
 // at::empty for the large tensors of the ops (gradients, activations): from tonp's pool of
