@@ -15,10 +15,10 @@ Each row says whether the kernel target is met: at M >= 512 tonp fp32 >= 70% and
 bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
 decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
 (fewer for slow calls, up to 300 for calls under a fifth of a millisecond). From M = 8 the torch
-fp32 baseline and the two tonp runs are sampled in turn for about three seconds (at least
---repeat rounds), so a load that drifts during the run falls on all three alike. Stock bf16 GEMM
-is very slow on CPUs without AMX/AVX512-BF16, so its large shapes are skipped when a call would
-take longer than --max-call-s (the table says so).
+fp32 and bf16 baselines and the two tonp runs are sampled in turn for about three seconds (at
+least --repeat rounds), so a load that drifts during the run falls on all of them alike. Stock
+bf16 GEMM is very slow on CPUs without AMX/AVX512-BF16, so its large shapes are skipped when a
+call would take longer than --max-call-s (the table says so).
 """
 from __future__ import annotations
 
@@ -146,23 +146,26 @@ def bench_linear(args, built: bool, copy_gbs: float) -> list[dict]:
             r = {"op": "linear", "shape": name, "M": M, "K": K, "N": N}
             rate = lambda t: flop / t / 1e9  # noqa: E731
             ws32, ws16 = (cold32, cold16) if M == 1 else ([w32], [w16])
+            predicted = flop / 1e9 / torch_bf16_gflops[name] if name in torch_bf16_gflops else 0
+            skip_bf16 = predicted > args.max_call_s
             if built and M > 1:
-                # From 8 rows (warm weights): the baseline and both tonp runs sampled in turn.
-                ts = timeit_interleaved(
-                    {"torch_fp32": lambda: F.linear(x32, w32), "tonp_fp32": lambda: tk.linear(x32, w32),
-                     "tonp_bf16": lambda: tk.linear(x16, w16)},
-                    repeat=args.repeat, max_total_s=3 * args.max_total_s)
+                # From 8 rows (warm weights): the baselines and both tonp runs sampled in turn.
+                fns = {"torch_fp32": lambda: F.linear(x32, w32), "tonp_fp32": lambda: tk.linear(x32, w32),
+                       "tonp_bf16": lambda: tk.linear(x16, w16)}
+                if not skip_bf16:
+                    fns["torch_bf16"] = lambda: F.linear(x16, w16)
+                ts = timeit_interleaved(fns, repeat=args.repeat, max_total_s=3 * args.max_total_s)
                 r.update({k: rate(t) for k, t in ts.items()})
             else:
                 r["torch_fp32"] = rate(timeit(cycle(lambda w: F.linear(x32, w), ws32),
                                               repeat=args.repeat, max_total_s=args.max_total_s))
-            predicted = flop / 1e9 / torch_bf16_gflops[name] if name in torch_bf16_gflops else 0
-            if predicted > args.max_call_s:
+            if skip_bf16:
                 r["torch_bf16"] = None
                 r["torch_bf16_note"] = f"skipped (~{predicted:.0f} s/call)"
-            else:
+            elif "torch_bf16" not in r:
                 r["torch_bf16"] = rate(timeit(cycle(lambda w: F.linear(x16, w), ws16),
                                               repeat=args.repeat, max_total_s=args.max_total_s))
+            if r["torch_bf16"]:
                 torch_bf16_gflops[name] = r["torch_bf16"]
             if built and M == 1:
                 # A one-row row is judged against the copy bandwidth of this moment: the better
@@ -281,7 +284,7 @@ def markdown(linear_rows, attn_rows, meta) -> str:
            f"**{meta['isa']}**, {meta['threads']} threads, torch {meta['torch']}; "
            f"memory copy {meta['copy_GBs']:.2f} GB/s (read + write). "
            f"{meta['stat'].capitalize()} of the samples after a warm-up (at least {meta['repeat']}; from "
-           f"M = 8, torch fp32 and tonp sampled in turn for ~{ROUNDS_S:.0f} s); "
+           f"M = 8, torch fp32 and bf16 and tonp sampled in turn for ~{ROUNDS_S:.0f} s); "
            f"load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after"
            + (" (**the machine was busy: timings are unreliable**)."
               if meta["load_before"] > os.cpu_count() else ".")  # "after" counts this run's threads
