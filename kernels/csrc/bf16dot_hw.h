@@ -145,8 +145,8 @@ static inline void hw_pack_chunk(const uint16_t* W, int64_t ldw, int ncols, int6
 // pair of x broadcast (a product is the same either way round: one exact product, one
 // rounding). A group's four lanes close in registers as (a0 + a1) + (a2 + a3) and the two
 // groups' sums are added: tree8 with no lane value stored (a store per lane and output is what
-// short chunks cannot hide). wp: the chunk's pairs, pair p's columns at wp + p * ldp. part: [MR, kPanelPairs] from this
-// tile's first column.
+// short chunks cannot hide). wp: the chunk's pairs, pair p's columns at wp + p * ldp.
+// part: [MR, kPanelPairs] from this tile's first column.
 template <int MR, int NZ>
 static inline void hw_lane_tile(const uint16_t* xc, int64_t ldx, const uint32_t* wp, int64_t ldp, int64_t npairs,
                                 float* part) {
