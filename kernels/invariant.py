@@ -15,7 +15,7 @@ import torch
 
 from . import _arg_checks as check, _op_checks as opcheck
 from ._library import op
-from .stock import gather_logit, target_logit  # noqa: F401  (one gather, one division: as stock)
+from .stock import gather_logit, target_logit, true_div  # noqa: F401  (one gather, one division)
 
 _LINEAR, _RMS_NORM, _SILU_MUL = op("linear"), op("rms_norm"), op("silu_mul")
 _ATTENTION_VARLEN, _ATTENTION_PAGED, _ROPE = (op("attention_varlen"), op("attention_paged"),
@@ -116,8 +116,9 @@ def logsumexp(logits, temperature, chunks):
 def log_softmax(logits, temperature, chunks):
     lse = _lse("log_softmax", logits, temperature, chunks, softmax=True)
     x = logits.float()
-    # Elementwise IEEE ops round the same in torch's vector and scalar loops: invariant.
-    return (x / temperature if temperature != 1.0 else x) - lse.unsqueeze(-1)
+    # Elementwise IEEE ops round the same in torch's vector and scalar loops: invariant (the
+    # division by T through true_div: torch's CUDA division by a number is not IEEE's).
+    return true_div(x, temperature) - lse.unsqueeze(-1)
 
 
 def token_logprobs(logits, targets, temperature, chunks):

@@ -58,7 +58,7 @@ def attention_paged(q, k_cache, v_cache, page_table, q_seq, q_pos, scale):
         pages = page_table[s, : (L + B - 1) // B].long()
         k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)  # (Hkv, L, D)
         v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
-        mask = torch.arange(L)[None, :] <= pos[:, None]  # (Tq, L)
+        mask = torch.arange(L, device=q.device)[None, :] <= pos.to(q.device)[:, None]  # (Tq, L)
         out[rows] = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
             enable_gqa=True).transpose(0, 1)
@@ -107,7 +107,20 @@ def target_logit(logits, targets, temperature=1.0):
 
 def gather_logit(logits, targets, temperature):
     x = logits.float().gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    return x / temperature if temperature != 1.0 else x
+    return true_div(x, temperature)
+
+
+def true_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor correctly rounded (IEEE), as the C++ and Triton kernels divide, on every
+    device. torch's CUDA division by a Python number computes x * (1 / divisor) instead
+    (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu: "may lose one bit of precision"), which
+    differs from x / T in the last bit for some x: the first GPU check found training logprobs
+    at T = 0.9 one ulp off the rollout's. A 0-dim tensor on x's device takes the true division."""
+    if divisor == 1.0:
+        return x
+    if x.device.type == "cpu":
+        return x / divisor
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
 
 
 def argmax(logits):
@@ -151,5 +164,5 @@ def moe_experts(x, expert_ids, gate_up, down, first_expert=0, chunks=None):
     if not outs:  # no rows: keep the graph connected to x
         return x.unsqueeze(1).expand(M, K, x.shape[1])
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
+    inverse[order] = torch.arange(order.numel(), device=order.device)
     return torch.cat(outs, 0).index_select(0, inverse).view(M, K, x.shape[1])

@@ -88,6 +88,22 @@ def test_fused_rollout_logprobs_equal_the_differentiable_path(temperature, dtype
     assert_bitwise(fused, tracked.detach(), f"fused vs autograd token_logprobs ({dtype})")
 
 
+def test_division_by_the_temperature_is_ieee_on_every_device(gen):
+    """The differentiable path divides by T through stock.true_div: IEEE x / T, as the kernels
+    do. Its twin is what torch's CUDA kernel computes for x / <Python number>, x * (1 / T): other
+    bits for some x (the first GPU check saw training logprobs one ulp off the rollout's at
+    T = 0.9). On a device, true_div divides by a 0-dim tensor there (a true division); the meta
+    device runs that branch here."""
+    from tonp_kernels.stock import true_div
+    x = torch.randn(4096, generator=gen)
+    for T in (0.9, 0.7, 1.3):
+        assert torch.equal(true_div(x, T), x / T)
+        assert not torch.equal(x * (1.0 / T), x / T), T   # the reciprocal loses a bit
+    assert true_div(x, 1.0) is x
+    meta = true_div(torch.empty(3, 5, device="meta"), 0.9)
+    assert meta.device.type == "meta" and meta.shape == (3, 5) and meta.dtype == torch.float32
+
+
 def test_stock_shard_combination_differs_from_one_call(torch_mode, gen):
     """The twin: stock torch's logsumexp of shard logsumexps is not its one-call logsumexp."""
     x = _logits(200, torch.float32, gen)

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import tonp_kernels as tk
+from tonp_kernels.stock import true_div
 
 from .request import Request
 
@@ -102,7 +103,7 @@ def _drop_overflows(who: str, logits: torch.Tensor, rows: List[Request], idx: Li
     overflow error (division is monotonic: a row overflows iff its largest |logit| does)."""
     sub = logits.index_select(0, _index(idx, logits))
     big = sub.abs().amax(-1)                                                       # (n,) fp32
-    over = torch.isinf(big / temperature).tolist()
+    over = torch.isinf(true_div(big, temperature)).tolist()
     for j, i in enumerate(idx):
         if over[j]:
             out[i] = (None, None, None, overflow_error(who, rows[i], sub[j]))
