@@ -4,7 +4,9 @@ gpu_check.Section `sec` (device, dry run, time left) and records checks on it; s
 in a dry run."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 
 import torch
 
@@ -38,7 +40,12 @@ def _tuple(x):
 
 
 def _compare(sec, what, device_fn, cpu_fn, *inputs) -> bool:
-    got, ref = _tuple(device_fn(*_to(sec.device, inputs))), _tuple(cpu_fn(*inputs))
+    t0 = time.time()
+    got = _tuple(device_fn(*_to(sec.device, inputs)))
+    t1 = time.time()
+    ref = _tuple(cpu_fn(*inputs))
+    if not sec.dry and time.time() - t0 > 3:  # where a section's time goes (first calls compile)
+        sec.note(f"{what}: device {t1 - t0:.1f} s (compile included), CPU {time.time() - t1:.1f} s")
     return sec.check(what, len(got) == len(ref) and all(same_bits(a, b) for a, b in zip(got, ref)))
 
 
@@ -57,6 +64,12 @@ def _paged(k, v, cu, B):
         kc[table[s, rows // B].long(), rows % B] = k[int(cu[s]):int(cu[s]) + n]
         vc[table[s, rows // B].long(), rows % B] = v[int(cu[s]):int(cu[s]) + n]
     return kc, vc, table
+
+
+def _tracked_lp(logits, targets, temperature, chunks):
+    """tk.token_logprobs as training calls it: logits that require a gradient."""
+    x = logits.clone().requires_grad_()
+    return tk.token_logprobs(x, targets, temperature=temperature, chunks=chunks).detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +112,9 @@ def exact_ops(sec) -> None:
         _compare(sec, f"max_with_index {dt}", vocab.max_with_index, ops.max_with_index, logits)
         _compare(sec, f"token_logprobs {dt}", vocab.token_logprobs, ops.token_logprobs, logits,
                  targets, 0.7, 8)
-    for dt in (F32, BF16):
+    for dt in (F32, BF16):  # training's token_logprobs: lse + gather + x / T under autograd
+        _compare(sec, f"token_logprobs {dt} under autograd (lse, gather, / T)", _tracked_lp,
+                 _tracked_lp, r(M, V, dtype=dt, scale=3), r.ints(V, M), 0.7, 8)
         _compare(sec, f"sample {dt} (seeded, top-k, top-p)", sample.sample, ops.sample,
                  r(M, V, dtype=dt, scale=3), 0.8, 20, 0.9, 7, torch.arange(M), torch.arange(M))
 
@@ -143,76 +158,153 @@ def exact_model(sec) -> None:
     ref_lp = cpu.token_logprobs(prompts)
     ref_greedy = _rollouts(cpu, prompts, new)
     ref_sampled = _rollouts(cpu, prompts, new, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    ref_lp_t = cpu.token_logprobs(prompts, temperature=0.8)
     dev = copy.deepcopy(cpu).to(sec.device)
     with numerics(sec, "exact"):
         lp = dev.token_logprobs([p.to(sec.device) for p in prompts])
+        lp_t = dev.token_logprobs([p.to(sec.device) for p in prompts], temperature=0.8)
         greedy = _rollouts(dev, prompts, new)
         sampled = _rollouts(dev, prompts, new, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+        train = dev.token_logprobs([q.to(sec.device) for q in sampled[0]], temperature=0.8)
     sec.check("token_logprobs (training forward)",
               all(same_bits(a, b) for a, b in zip(lp, ref_lp)))
+    sec.check("token_logprobs at T = 0.8 (training forward)",
+              all(same_bits(a, b) for a, b in zip(lp_t, ref_lp_t)))
+    sec.check("on the device: training logprobs of the sampled rollouts (T = 0.8) == the "
+              "rollout's", all(same_bits(t[len(p) - 1:].detach(), lp_r) for t, p, lp_r
+                               in zip(train, prompts, sampled[1])))
     for what, got, ref in (("greedy", greedy, ref_greedy), ("sampled", sampled, ref_sampled)):
         sec.check(f"{what} generate: tokens", all(map(torch.equal, got[0], ref[0])))
         sec.check(f"{what} generate: logprobs", all(map(same_bits, got[1], ref[1])))
 
 
+# The op families whose fast kernels fast_model switches on one at a time when the whole model
+# differs (the others then run their exact kernels): which family breaks train == rollout.
+FAST_FAMILIES = (("linear",), ("attention_varlen", "attention_paged"), ("moe_experts",))
+
+
+@contextlib.contextmanager
+def fast_only(ops):
+    """Inside: the fast kernels of `ops` alone; every other op runs its exact kernel."""
+    from tonp_kernels.accel import registry
+    saved, cached = dict(registry.FAST), dict(registry._fast)
+    registry.FAST.clear()
+    registry.FAST.update({o: saved[o] for o in ops})
+    registry._fast.clear()
+    try:
+        yield
+    finally:
+        registry.FAST.clear()
+        registry.FAST.update(saved)
+        registry._fast.clear()
+        registry._fast.update(cached)
+
+
+def _train_vs_rollout(sec, model, prompts, new):
+    """(rollouts, rollout logprobs, whether the training forward's logprobs equal them, a
+    detail: differing tokens, the first (sequence, index), the largest |difference|)."""
+    with numerics(sec, "fast"):
+        seqs, lps = _rollouts(model, prompts, new, temperature=0.9, seed=5)
+        train = model.token_logprobs([s.to(sec.device) for s in seqs], temperature=0.9)
+    bad, first, worst = 0, None, 0.0
+    for i, (t, p, lp) in enumerate(zip(train, prompts, lps)):
+        t = t[len(p) - 1:].detach().cpu()
+        diff = (t.view(-1) != lp.view(-1)).nonzero().view(-1)
+        if diff.numel():
+            bad += diff.numel()
+            first = first or (i, int(diff[0]))
+            worst = max(worst, float((t.double() - lp.double()).abs().max()))
+    detail = "" if not bad else (f"({bad} of {sum(map(len, lps))} tokens differ; first: sequence "
+                                 f"{first[0]} token {first[1]}; max |diff| {worst:.3g})")
+    return seqs, lps, not bad, detail
+
+
 def fast_model(sec) -> None:
     """The tiny model (fp32 and bf16) in fast numerics on the device: the training forward's
     logprobs of the rollouts equal the rollout's own (decode) logprobs, and a prompt's rollout
-    alone equals it in a batch."""
+    alone equals it in a batch. Where they differ, each op family's fast kernels run alone."""
     for dtype in (F32, BF16):
         model = tiny_model(dtype).to(sec.device)
         prompts = _prompts(2 if sec.dry else 8, model.config.vocab_size, seed=2)
         new = 3 if sec.dry else 24
+        seqs, lps, ok, detail = _train_vs_rollout(sec, model, prompts, new)
+        sec.check(f"{dtype}: training logprobs == rollout logprobs", ok, detail)
         with numerics(sec, "fast"):
-            seqs, lps = _rollouts(model, prompts, new, temperature=0.9, seed=5)
-            train = model.token_logprobs([s.to(sec.device) for s in seqs], temperature=0.9)
+            graph = model.token_logprobs([q.to(sec.device) for q in seqs], temperature=0.9)
+            with torch.no_grad():
+                plain = model.token_logprobs([q.to(sec.device) for q in seqs], temperature=0.9)
+        sec.check(f"{dtype}: the training forward under autograd == under no_grad",
+                  all(same_bits(a.detach(), b) for a, b in zip(graph, plain)))
+        with numerics(sec, "fast"):
             alone = _rollouts(model, prompts[1:2], new, temperature=0.9, seed=5,
                               request_ids=[1])
-        ok = all(same_bits(t[len(p) - 1:].cpu(), lp) for t, p, lp in zip(train, prompts, lps))
-        sec.check(f"{dtype}: training logprobs == rollout logprobs", ok)
         sec.check(f"{dtype}: a prompt alone == in a batch of {len(prompts)}",
                   torch.equal(alone[0][0], seqs[1]) and same_bits(alone[1][0], lps[1]))
+        # a dry run shows the subsets run (one, once: the interpreter is slow)
+        families = FAST_FAMILIES if not ok else FAST_FAMILIES[:1] if sec.dry and dtype == F32 \
+            else ()
+        for ops in families:
+            with fast_only(ops):
+                _, _, ok_ops, detail = _train_vs_rollout(sec, model, prompts, new)
+            sec.check(f"{dtype}, fast {' + '.join(ops)} alone (exact others): training "
+                      "logprobs == rollout logprobs", ok_ops, detail)
 
 
 # ---------------------------------------------------------------------------------------------
 # fast: the invariances on the device, kernel by kernel
 # ---------------------------------------------------------------------------------------------
+# The shapes of the invariance checks: (linear K, N, C, rows), (attention Hq, Hkv, D, B, lens),
+# (moe M, H, I, E, top). BIG: the 30B model's; TINY: the tiny model's (fast_model runs it), with
+# more tokens than a 64-row tile per expert; DRY: a dry run's, interpreted.
+BIG = ((2048, 2048, 8, 4096), (32, 4, 128, 64, (1, 100, 300)), (256, 2048, 768, 16, 8))
+TINY = ((64, 64, 8, 300), (4, 2, 16, 16, (1, 100, 300)), (300, 64, 32, 8, 2))
+DRY = ((128, 160, 8, 66), (4, 2, 16, 16, (1, 5, 21)), (12, 64, 32, 4, 2))
+
+
 def fast_kernels(sec) -> None:
+    _fast_kernels(sec, BIG if not sec.dry else DRY, "")
+
+
+def fast_kernels_tiny(sec) -> None:
+    """The same invariances at the tiny model's shapes (chunks of 8 and 4 elements, head_dim 16,
+    a page of 16): where fast_model's end-to-end check rests."""
+    _fast_kernels(sec, TINY if not sec.dry else DRY, "tiny: ")
+
+
+def _fast_kernels(sec, shapes, tag: str) -> None:
     r, dev = Inputs(1), sec.device
-    big = not sec.dry
-    K, N, C = (2048, 2048, 8) if big else (128, 160, 8)
-    rows = 4096 if big else 66
+    (K, N, C, rows), att, moe_shape = shapes
     for dt in (BF16, F32):
         w, b = r(N, K, dtype=dt, scale=K ** -0.5).to(dev), r(N).to(dev)
         x = r(rows, K, dtype=dt).to(dev)
         full = fl.linear(x, w, b, C)
-        sec.check(f"linear {dt}: prefixes of 1, 2, 3, 16, 17, 64, 65 rows == the {rows}-row call",
-                  all(same_bits(fl.linear(x[:m], w, b, C), full[:m])
-                      for m in (1, 2, 3, 16, 17, 64, 65)))
-        sec.check(f"linear {dt}: rows 0, 63, 64, {rows - 1} alone == in the batch",
+        sec.check(f"{tag}linear {dt}: prefixes of 1, 2, 3, 16, 17, 64, 65 rows == the {rows}-row "
+                  "call", all(same_bits(fl.linear(x[:m], w, b, C), full[:m])
+                              for m in (1, 2, 3, 16, 17, 64, 65)))
+        sec.check(f"{tag}linear {dt}: rows 0, 63, 64, {rows - 1} alone == in the batch",
                   all(same_bits(fl.linear(x[i:i + 1], w, b, C), full[i:i + 1])
                       for i in (0, 63, 64, rows - 1)))
-        sec.check(f"linear {dt}: split 1, 2, 4, 8 give one result (4 rows)",
+        sec.check(f"{tag}linear {dt}: split 1, 2, 4, 8 give one result (4 rows)",
                   all(same_bits(fl.linear(x[:4], w, b, C, split=s), full[:4]) for s in (1, 2, 4, 8)))
         full32 = fl.linear(x[:17], w, None, C, F32)
         for t in (2, 4, 8):
             kt, nt = K // t, N // t
             parts = [fl.linear(x[:17, i * kt:(i + 1) * kt], w[:, i * kt:(i + 1) * kt].contiguous(),
                                None, C // t, F32) for i in range(t)]
-            sec.check(f"linear {dt}: TP {t} row-parallel subtrees + tree == TP 1",
+            sec.check(f"{tag}linear {dt}: TP {t} row-parallel subtrees + tree == TP 1",
                       same_bits(tk.tree_sum(parts), full32)
                       and same_bits((tk.tree_sum(parts) + b).to(dt), full[:17]))
             cols = [fl.linear(x[:17], w[i * nt:(i + 1) * nt], b[i * nt:(i + 1) * nt], C)
                     for i in range(t)]
-            sec.check(f"linear {dt}: TP {t} column shards == TP 1",
+            sec.check(f"{tag}linear {dt}: TP {t} column shards == TP 1",
                       same_bits(torch.cat(cols, 1), full[:17]))
-    _fast_attention(sec, r)
-    _fast_moe(sec, r)
+    _fast_attention(sec, r, att, tag)
+    for dt in (BF16, F32):
+        _fast_moe(sec, r, moe_shape, C, dt, tag)
 
 
-def _fast_attention(sec, r) -> None:
-    Hq, Hkv, D, B = (32, 4, 128, 64) if not sec.dry else (4, 2, 16, 16)
-    lens = (1, 100, 300) if not sec.dry else (1, 5, 21)
+def _fast_attention(sec, r, shape, tag: str) -> None:
+    Hq, Hkv, D, B, lens = shape
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     for dt in (BF16, F32):
         T = sum(lens)
@@ -224,39 +316,40 @@ def _fast_attention(sec, r) -> None:
         steps = [fa.attention_paged(q[int(cu[s]) + t:int(cu[s]) + t + 1], kc, vc, table,
                                     torch.tensor([s]), torch.tensor([t]), D ** -0.5)
                  for t in range(n)]
-        sec.check(f"attention {dt}: every token of a {n}-token sequence decoded alone == prefill",
+        sec.check(f"{tag}attention {dt}: every token of a {n}-token sequence decoded alone == prefill",
                   same_bits(torch.cat(steps), packed[int(cu[s]):]))
         chunk = list(range(7, min(47, n)))
         seq = torch.tensor([2, 0, 1] + [2] * len(chunk))
         pos = torch.tensor([n - 1, 0, lens[1] - 1] + chunk)
         got = fa.attention_paged(q[(cu[seq] + pos).to(sec.device)], kc, vc, table, seq, pos,
                                  D ** -0.5)
-        sec.check(f"attention {dt}: a decode batch + a prefill chunk == the prefill's rows",
+        sec.check(f"{tag}attention {dt}: a decode batch + a prefill chunk == the prefill's rows",
                   same_bits(got, packed[(cu[seq] + pos).to(sec.device)]))
         s0, s1 = int(cu[2]), int(cu[3])
         alone = fa.attention_varlen(q[s0:s1], k[s0:s1], v[s0:s1],
                                     torch.tensor([0, s1 - s0], device=sec.device), D ** -0.5, B)
-        sec.check(f"attention {dt}: a sequence alone == packed with others",
+        sec.check(f"{tag}attention {dt}: a sequence alone == packed with others",
                   same_bits(alone, packed[s0:s1]))
 
 
-def _fast_moe(sec, r) -> None:
-    M, H, I, E, top = (64, 2048, 768, 16, 8) if not sec.dry else (12, 64, 32, 4, 2)
+def _fast_moe(sec, r, shape, C: int, dt, tag: str) -> None:
+    M, H, I, E, top = shape
     dev = sec.device
-    gu = r(E, 2 * I, H, dtype=BF16, scale=H ** -0.5).to(dev)
-    dn = r(E, H, I, dtype=BF16, scale=I ** -0.5).to(dev)
-    x = r(M, H, dtype=BF16).to(dev)
+    gu = r(E, 2 * I, H, dtype=dt, scale=H ** -0.5).to(dev)
+    dn = r(E, H, I, dtype=dt, scale=I ** -0.5).to(dev)
+    x = r(M, H, dtype=dt).to(dev)
     ids = torch.stack([torch.randperm(E, generator=r.g)[:top] for _ in range(M)]).to(dev)
-    y = fast_moe.moe_experts(x, ids, gu, dn, 0, 8 if not sec.dry else 2)
-    C = 8 if not sec.dry else 2
-    for m in (0, M - 1):
+    y = fast_moe.moe_experts(x, ids, gu, dn, 0, C)
+    rows = M * top // E
+    for m in (0, M // 2, M - 1):
         one = fast_moe.moe_experts(x[m:m + 1], ids[m:m + 1], gu, dn, 0, C)
-        sec.check(f"moe_experts: token {m} alone == in a batch of {M}", same_bits(one[0], y[m]))
+        sec.check(f"{tag}moe_experts {dt}: token {m} alone == in a batch of {M} (~{rows} rows "
+                  "per expert)", same_bits(one[0], y[m]))
     e = int(ids[0, 0])  # the grouped kernel == the plain one: linear, silu_mul, linear
     g = fl.linear(x[:1], gu[e], None, C)
-    h = rowwise.silu_mul_rows(g[:, :I], g[:, I:], torch.empty(1, I, dtype=BF16, device=dev))
-    sec.check("moe_experts: a slot == its expert as fast linear, silu_mul, fast linear",
-              same_bits(fl.linear(h, dn[e], None, C)[0], y[0, 0]))
+    h = rowwise.silu_mul_rows(g[:, :I], g[:, I:], torch.empty(1, I, dtype=dt, device=dev))
+    sec.check(f"{tag}moe_experts {dt}: a slot == its expert as fast linear, silu_mul, fast "
+              "linear", same_bits(fl.linear(h, dn[e], None, C)[0], y[0, 0]))
     half = E // 2
     ok = True
     for lo in (0, half):
@@ -264,5 +357,4 @@ def _fast_moe(sec, r) -> None:
         got = fast_moe.moe_experts(x[mi], ids[mi, ki][:, None], gu[lo:lo + half],
                                    dn[lo:lo + half], lo, C)
         ok &= same_bits(got[:, 0], y[mi, ki])
-    sec.check("moe_experts: EP 2 (two halves of the experts) == one call", ok)
-
+    sec.check(f"{tag}moe_experts {dt}: EP 2 (two halves of the experts) == one call", ok)

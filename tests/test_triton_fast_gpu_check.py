@@ -23,7 +23,7 @@ def test_the_dry_run_runs_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu.json").read_text())
     by_name = {s["name"]: s for s in data["sections"]}
-    assert len(by_name) == 12 and data["meta"]["dry"], list(by_name)
+    assert len(by_name) == 13 and data["meta"]["dry"], list(by_name)
     for name, s in by_name.items():  # the model sections run through tk.use(numerics=...)
         assert s["status"] == "ok", (name, s["status"], s["error"])
     assert len(by_name["exact ops vs CPU"]["checks"]) >= 26
