@@ -166,7 +166,7 @@ def _router_logits(M, E, dtype, gen):
 
 @pytest.mark.parametrize("dtype", (F32, BF16))
 def test_moe_route_equals_cpp(dtype, gen):
-    for M, E, k in ((1, 8, 2), (17, 12, 3), (5, 6, 6), (4, 40, 8)):
+    for M, E, k in ((1, 8, 2), (17, 12, 3), (5, 6, 6), (4, 40, 8), (5, 128, 8)):  # 30B: 128, 8
         x = _router_logits(M, E, dtype, gen)
         for normalize in (True, False):
             ids, w = moe.moe_route(x, k, normalize)

@@ -214,6 +214,45 @@ def row_min(x, A: tl.constexpr, N: tl.constexpr):
     return _tree(x, A, N, 1)
 
 
+# Order-free reductions by the compiler's own tree (tl.reduce), where any order gives the same
+# value: integers, and fp32 maxima over values with no NaN and no -0. They compile in a fraction
+# of `_tree`'s time at wide rows: Triton 3.6 took 303 s to compile moe_route at 128 experts with
+# `_tree`, 0.5 s with these (the H200 check's 30B-shaped step ran out of its budget compiling).
+@triton.jit
+def _max_op(a, b):
+    return tl.where(b > a, b, a)
+
+
+@triton.jit
+def _min_op(a, b):
+    return tl.where(b < a, b, a)
+
+
+@triton.jit
+def _add_op(a, b):
+    return a + b
+
+
+@triton.jit
+def row_min_int(x):
+    """Min over the last axis of an integer [A, N] (order-free)."""
+    return tl.reduce(x, 1, _min_op)
+
+
+@triton.jit
+def row_max_unsigned(x):
+    """Max over the last axis of fp32 [A, N] holding no NaN and no -0 (probabilities, -inf):
+    then every order gives one value."""
+    return tl.reduce(x, 1, _max_op)
+
+
+@triton.jit
+def take_int(v, hit):
+    """take(v, hit) by tl.reduce: an integer sum of one value and zeros is order-free."""
+    one = tl.reduce(tl.where(hit, v.to(tl.int32, bitcast=True), 0), 1, _add_op)
+    return one.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def take(v, hit, A: tl.constexpr, N: tl.constexpr):
     """[A, N] fp32 -> [A]: the one element of each row where `hit` is true, bits exact (an
