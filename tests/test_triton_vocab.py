@@ -205,10 +205,13 @@ def test_max_with_index_equals_cpp(dtype, gen):
     x[3] = float("-inf")
     x[4] = -x[4].abs() - 1
     x[4, 100], x[4, 200] = -0.0, 0.0
+    x[5] = -x[5].abs() - 1  # zeros of both signs as the maximum, in two blocks, +0 first in one
+    x[5, 300], x[5, 310], x[5, 1500] = -0.0, 0.0, 0.0
     v, i = vocab.max_with_index(x)
     rv, ri = torch.ops.tonp.max_with_index(x)
     assert_bitwise((bits(v), i), (bits(rv), ri), f"max_with_index {dtype}")
     assert not torch.equal(x.float().max(-1).indices, i)  # the twin: torch.max takes a NaN
+    assert i[5] == 300 and bits(v)[5] == bits(torch.tensor(-0.0))  # its own sign
     ok = [0, 3, 4, 5]  # argmax: the same index where no NaN, refusal naming the first NaN row
     assert_bitwise(vocab.argmax(x[ok]), torch.ops.tonp.argmax(x[ok]), f"argmax {dtype}")
     for op in (vocab.argmax, torch.ops.tonp.argmax):

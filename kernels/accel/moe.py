@@ -46,13 +46,14 @@ def _moe_route_kernel(x_ptr, ids_ptr, w_ptr, M, E, TOPK, BM: tl.constexpr, EP: t
     ids = tl.full([BM, KP], 0, tl.int64)
     s = tl.full([BM], 0, tl.float32)
     # The reductions below are order-free (ids; one value among zeros; probabilities >= +0
-    # and -inf, NaN excluded), so the compiler's tree serves: it compiles fast at 128 experts.
+    # and -inf, NaN excluded: no -0), so the compiler's tree serves: it compiles fast at 128
+    # experts.
     for k in range(TOPK):
-        first = nm.row_min_int(tl.where(taken, EP, e))  # the scan's starting candidate
+        first = nm.row_min_free(tl.where(taken, EP, e))  # the scan's starting candidate
         p_first = nm.take_int(p, e == first[:, None])
         cand = (~taken) & (p == p)
-        top = nm.row_max_unsigned(tl.where(cand, p, float("-inf")))
-        best = nm.row_min_int(tl.where(cand & (p == top[:, None]), e, EP))
+        top = nm.row_max_free(tl.where(cand, p, float("-inf")))
+        best = nm.row_min_free(tl.where(cand & (p == top[:, None]), e, EP))
         best = tl.where(p_first != p_first, first, best)
         hit = e == best[:, None]
         wk = nm.take_int(p, hit)

@@ -207,9 +207,11 @@ def _max_with_index_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, M, V, BM: tl.conste
     for v0 in range(0, V, BV):
         y = nm.load_f32(x_rows[:, None] + v0 + cols, rm[:, None] & (v0 + cols < V), BF16)
         ok = (v0 + cols < V) & (y == y)
-        nan = nan | nm.row_max(tl.where((v0 + cols < V) & (y != y), 1, 0), BM, BV)
-        top = nm.row_max(tl.where(ok, y, float("-inf")), BM, BV)
-        at = nm.row_min(tl.where(ok & (y == top[:, None]), cols, BV), BM, BV)
+        # order-free reductions (flags; a maximum whose zero sign is never used: the value is
+        # reloaded at the index; the lowest index), by the compiler's tree
+        nan = nan | nm.row_max_free(tl.where((v0 + cols < V) & (y != y), 1, 0))
+        top = nm.row_max_free(tl.where(ok, y, float("-inf")))
+        at = nm.row_min_free(tl.where(ok & (y == top[:, None]), cols, BV))
         upd = (at < BV) & ((best_i < 0) | (top > best_v))  # strictly greater: lowest index wins
         best_v = tl.where(upd, top, best_v)
         best_i = tl.where(upd, v0 + at, best_i)
