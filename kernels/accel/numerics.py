@@ -215,10 +215,10 @@ def row_min(x, A: tl.constexpr, N: tl.constexpr):
 
 
 # Order-free reductions by the compiler's own tree (tl.reduce), where any order gives the same
-# result: integers, and fp32 maxima without NaN (up to the sign of a zero maximum, so a caller
-# whose output never carries that sign). They compile in a fraction of `_tree`'s time at wide
-# rows: with Triton 3.6, moe_route at 128 experts compiled in 303 s with `_tree`, 0.4 s with
-# these; max_with_index at 1024 columns 263 s (the H200 check ran out of budget compiling).
+# result: integers, and fp32 maxima without NaN (up to the sign of a zero maximum: only for
+# callers whose output never carries that sign). They compile in a fraction of `_tree`'s time
+# at wide rows. With Triton 3.6 (the H200's), moe_route at 128 experts took 303 s to compile
+# with `_tree` and 0.4 s with these; max_with_index at 1024 columns took 263 s and 1.0 s.
 @triton.jit
 def _max_op(a, b):
     return tl.where(b > a, b, a)
