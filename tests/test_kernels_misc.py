@@ -384,3 +384,23 @@ def test_avx2_and_portable_paths_give_the_same_bits(dtype):
         assert_bitwise(b, a, f"op #{i} ({dtype}) AVX2 vs {_native_isa()}")
     for i, (a, b) in enumerate(zip(fast, portable, strict=True)):
         assert_bitwise(b, a, f"op #{i} ({dtype}) portable vs AVX2")
+
+
+def test_the_memory_pool_serves_a_smaller_request_from_a_freed_block(gen):
+    """A rollout's prefill changes its row count every call: a freed pool block serves any later
+    request of at least half its size (no fresh pages to fault in), and what is computed there
+    is the same bits as anywhere else."""
+    torch.ops.tonp.release_memory_pool()
+    x = randn(1536, 2048, gen=gen)  # rms_norm's output: 12 MB, a pool block
+    w = 1 + randn(2048, gen=gen, scale=0.1)
+    a = tk.rms_norm(x, w, 1e-6)
+    ref, block = a.clone(), a.data_ptr()
+    del a
+    b = tk.rms_norm(x[:1024], w, 1e-6)  # 8 MB: the 12 MB block
+    assert b.data_ptr() == block
+    assert torch.equal(b, ref[:1024])
+    del b
+    c = tk.rms_norm(x[:512], w, 1e-6)  # 4 MB: under half of it, a block of its own
+    assert c.data_ptr() != block
+    assert torch.equal(c, ref[:512])
+    torch.ops.tonp.release_memory_pool()

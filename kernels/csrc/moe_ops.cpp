@@ -61,7 +61,7 @@ at::Tensor moe_combine(const at::Tensor& w_, const at::Tensor& y_) {
   const Elem e = elem_of(y_, "moe_combine", "expert_out");
   const at::Tensor w = w_.contiguous(), y = y_.contiguous();
   const int64_t M = y.size(0), Kk = y.size(1), H = y.size(2), esz = e == Elem::F32 ? 4 : 2;
-  at::Tensor out = at::empty({M, H}, y.options());
+  at::Tensor out = empty_big({M, H}, y.options());
   const char* yp = static_cast<const char*>(y.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const Kernels* kern = K();

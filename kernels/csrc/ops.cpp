@@ -97,7 +97,7 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
                     x_.sizes(), " (expected x [..., H] and weight [H])");
   const Elem e = elem_of(x_, "rms_norm", "x"), we = elem_of(w_, "rms_norm", "weight");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = empty_big(x.sizes(), x.options());
   const int64_t H = x.size(-1), M = H ? x.numel() / H : 0;
   const int64_t esz = e == Elem::F32 ? 4 : 2;
   const char* xp = static_cast<const char*>(x.data_ptr());
@@ -114,7 +114,7 @@ at::Tensor silu_mul(const at::Tensor& g_, const at::Tensor& u_) {
                     g_.scalar_type(), " and up ", u_.sizes(), "/", u_.scalar_type(), " must match");
   const Elem e = elem_of(g_, "silu_mul", "gate");
   const at::Tensor g = g_.contiguous(), u = u_.contiguous();
-  at::Tensor out = at::empty_like(g);
+  at::Tensor out = empty_big(g.sizes(), g.options());
   const int64_t n = g.numel(), esz = e == Elem::F32 ? 4 : 2, blk = 4096;  // fixed blocks, not per-thread spans
   const char* gp = static_cast<const char*>(g.data_ptr());
   const char* up = static_cast<const char*>(u.data_ptr());
@@ -155,7 +155,7 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // the x86 default NaN, and a GPU's conversion makes 0x7fff).
 at::Tensor round_out(const at::Tensor& out, at::ScalarType dtype) {
   if (dtype == at::kFloat) return out;
-  at::Tensor r = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
+  at::Tensor r = empty_big(out.sizes(), out.options().dtype(at::kBFloat16));
   const uint32_t* src = static_cast<const uint32_t*>(out.data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(r.data_ptr());
   for (int64_t i = 0, n = out.numel(); i < n; ++i) {
@@ -194,7 +194,7 @@ at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at
   // arithmetic with a scratch sized by the data, not by the argument.
   block = std::min(block, longest);
   const at::Tensor q = q_.to(at::kFloat).contiguous(), k = k_.contiguous(), v = v_.contiguous();
-  at::Tensor out = at::empty({T, Hq, D}, q.options());
+  at::Tensor out = empty_big({T, Hq, D}, q.options());
   const Elem kv = k.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
   const int64_t esz = kv == Elem::F32 ? 4 : 2;
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -248,7 +248,7 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
     }
   }
   const at::Tensor q = q_.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({Tq, Hq, D}, q.options());
+  at::Tensor out = empty_big({Tq, Hq, D}, q.options());
   const Elem kv = kc_.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
   const int64_t esz = kv == Elem::F32 ? 4 : 2;
   const char* kp = static_cast<const char*>(kc_.data_ptr());
@@ -308,7 +308,7 @@ at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& 
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK_INDEX(pp[t] >= 0 && pp[t] < P, "tonp.rope: position ", pp[t], " outside the table's [0, ", P, ")");
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = empty_big(x.sizes(), x.options());
   at::parallel_for(0, T * Hh, grain_for(8 * D), [&](int64_t b, int64_t en) {
     if (x.scalar_type() == at::kFloat)
       rope_rows(x.data_ptr<float>(), out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), pp, T, Hh, D, b, en);

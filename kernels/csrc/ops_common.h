@@ -90,7 +90,51 @@ at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
 // Uninitialised scratch for one thread's share of a parallel region (the kernels write before
 // they read; a zero-filled std::vector cost a memset per call on the decode path).
-inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); }
+// Per-thread scratch, kept between calls: a buffer of a few hundred KB to a few MB, allocated
+// fresh, is mapped anew by malloc and costs a page fault per 4 KB on first touch, on every call
+// whose shape differs from the last. Each thread keeps its few most recent buffers (a task holds
+// at most two at once: scratch and LanePack) and hands out the smallest one large enough.
+struct ScratchCache {
+  static constexpr int kKeep = 3;
+  std::pair<size_t, float*> idle[kKeep] = {};
+  ~ScratchCache() {
+    for (auto& b : idle) delete[] b.second;
+  }
+  float* take(size_t n, size_t* have) {
+    int best = -1;
+    for (int i = 0; i < kKeep; ++i)
+      if (idle[i].second && idle[i].first >= n && (best < 0 || idle[i].first < idle[best].first)) best = i;
+    if (best < 0) return *have = n, new float[n];
+    float* p = idle[best].second;
+    *have = idle[best].first;
+    idle[best] = {};
+    return p;
+  }
+  void give(float* p, size_t n) {
+    int slot = 0;  // an empty slot, else the smallest buffer makes room
+    for (int i = 0; i < kKeep; ++i)
+      if (!idle[i].second || (idle[slot].second && idle[i].first < idle[slot].first)) slot = i;
+    if (idle[slot].second && idle[slot].first > n) return delete[] p;
+    delete[] idle[slot].second;
+    idle[slot] = {n, p};
+  }
+};
+inline ScratchCache& scratch_cache() {
+  static thread_local ScratchCache c;
+  return c;
+}
+struct ScratchFree {
+  size_t n = 0;
+  void operator()(float* p) const { scratch_cache().give(p, n); }
+};
+using Scratch = std::unique_ptr<float[], ScratchFree>;
+// n floats (uninitialised) from this thread's cache; returned to it when the handle dies (on
+// this thread: the tonp ops take and release scratch inside one parallel_for body).
+inline Scratch scratch_floats(int64_t n) {
+  size_t have = 0;
+  float* p = scratch_cache().take(size_t(n > 0 ? n : 1), &have);
+  return Scratch(p, ScratchFree{have});
+}
 
 // One thread's lane-packed x for linear_panel (Kernels::pack_lanes): a row block packed once and
 // kept for the panels that follow it. of(block, ...) returns the packing linear_panel takes for
@@ -113,7 +157,7 @@ class LanePack {
   int64_t kc_;
   Elem welem_;
   bool on_;
-  std::unique_ptr<float[]> buf_;
+  Scratch buf_;
   int64_t packed_ = -1;
 };
 
