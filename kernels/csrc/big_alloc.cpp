@@ -35,7 +35,7 @@ bool env_off(const char* name) {
 struct Pool {
   std::mutex mu;
   std::multimap<size_t, void*> idle;            // block size -> block
-  std::unordered_map<void*, size_t> live;       // block -> rounded size
+  std::unordered_map<void*, size_t> live;       // block -> block size
   size_t idle_bytes = 0;
   const size_t cap = [] {
     const char* v = std::getenv("TONP_POOL_MB");

@@ -128,8 +128,9 @@ struct ScratchFree {
   void operator()(float* p) const { scratch_cache().give(p, n); }
 };
 using Scratch = std::unique_ptr<float[], ScratchFree>;
-// n floats (uninitialised) from this thread's cache; returned to it when the handle dies (on
-// this thread: the tonp ops take and release scratch inside one parallel_for body).
+// n floats (uninitialised) from this thread's cache; returned, when the handle dies, to the cache
+// of the thread it dies on (the tonp ops take and release scratch inside one parallel_for body).
+// The caches are never trimmed: a thread holds at most kKeep buffers of its largest sizes.
 inline Scratch scratch_floats(int64_t n) {
   size_t have = 0;
   float* p = scratch_cache().take(size_t(n > 0 ? n : 1), &have);
