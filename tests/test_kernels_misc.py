@@ -8,6 +8,9 @@ differently: the twin). The AVX2 path against the portable scalar path, and tk.i
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -404,3 +407,20 @@ def test_the_memory_pool_serves_a_smaller_request_from_a_freed_block(gen):
     assert c.data_ptr() != block
     assert torch.equal(c, ref[:512])
     torch.ops.tonp.release_memory_pool()
+
+
+def test_no_kernel_reads_memory_it_did_not_write(tmp_path):
+    """Scratch and pool blocks are reused between calls, so a kernel that read what it had not
+    written would see the last call's data. Under TONP_POISON=1 both are handed out as NaN bits:
+    every output (linears on every layout, rms_norm, the experts, a model's generate and training
+    forward) must keep its bits."""
+    probe = Path(__file__).with_name("poison_probe.py")
+    outs = []
+    for poison in ("0", "1"):
+        path = tmp_path / f"out{poison}.pt"
+        env_ = dict(os.environ, TONP_POISON=poison)
+        subprocess.run([sys.executable, str(probe), str(path)], env=env_, check=True, timeout=300)
+        outs.append(torch.load(path))
+    assert outs[0].keys() == outs[1].keys() and len(outs[0]) == 30
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k]), k

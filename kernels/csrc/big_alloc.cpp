@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -98,12 +99,21 @@ void release_memory_pool() { pool().release(); }
 
 }  // namespace
 
+bool poison_memory() {
+  static const bool on = [] {
+    const char* v = std::getenv("TONP_POISON");
+    return v && v[0] == '1';
+  }();
+  return on;
+}
+
 at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   static const bool off = env_off("TONP_POOL_MB");
   const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(c10::typeMetaToScalarType(opts.dtype()));
   if (off || bytes < kMinBytes || !opts.device().is_cpu()) return at::empty(sizes, opts);
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   void* p = pool().take(rounded);
+  if (poison_memory()) std::memset(p, 0xff, rounded);
   return at::from_blob(p, sizes, [](void* q) { pool().give_back(q); }, opts);
 }
 

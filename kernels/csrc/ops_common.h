@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -131,9 +132,13 @@ using Scratch = std::unique_ptr<float[], ScratchFree>;
 // n floats (uninitialised) from this thread's cache; returned, when the handle dies, to the cache
 // of the thread it dies on (the tonp ops take and release scratch inside one parallel_for body).
 // The caches are never trimmed: a thread holds at most kKeep buffers of its largest sizes.
+// TONP_POISON=1 (read once; tests): scratch and pool blocks are handed out filled with NaN bits,
+// so a kernel that read memory it had not written would change its outputs.
+bool poison_memory();
 inline Scratch scratch_floats(int64_t n) {
   size_t have = 0;
   float* p = scratch_cache().take(size_t(n > 0 ? n : 1), &have);
+  if (poison_memory()) std::memset(p, 0xff, have * sizeof(float));
   return Scratch(p, ScratchFree{have});
 }
 
