@@ -7,9 +7,12 @@ against the machine's bound and, when installed, vLLM's CPU engine on the same c
 
 Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eos ignored):
   * tonp's decode-step tokens/s (median step after the prefill forward) and its fraction of the
-    step's bound: the larger of its bytes over the read bandwidth probed in this run (weights the
-    batch touches + KV) and its FLOPs over the dtype's best GEMM rate measured in this run
-    (fp32: MKL's or tonp's; bf16: stock torch's matmul or tonp's linear);
+    step's roofline, op class by op class (roofline.decode_step_bound): dense linears, experts
+    (the distinct experts the steps touched, counted through the probe seam), attention's KV
+    read, each at the larger of its bytes over the read bandwidth (the best probe taken after
+    each timed generate) and its FLOPs over the dtype's best GEMM rate measured in this run (at
+    its start and end; fp32: MKL's or tonp's; bf16: stock torch's matmul or tonp's linear); also
+    against the whole step's max(bytes, FLOPs) bound, which a sequential forward cannot reach;
   * the engine's own time per step outside the model's forward (scheduling, input building,
     sampling: the Python overhead), reported apart;
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
@@ -182,15 +185,32 @@ def bf16_gemm_GFLOPs(size: str) -> dict:
             "gemm_bf16_tonp_GFLOPs": own}
 
 
-def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float) -> dict:
-    """The step's time at the memory bound and at the compute bound (FLOPs over the dtype's
-    best GEMM rate); the larger one binds."""
-    nbytes = roofline.decode_bytes(cfg, 2 if dtype == "bf16" else 4, batch, context)
-    mem_s = nbytes / (read_GBs * 1e9)
+def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float,
+          distinct_experts: Optional[float]) -> dict:
+    """The step's roofline, op class by op class (roofline.decode_step_bound): the sum of each
+    class's max(bytes over the read bandwidth, FLOPs over the dtype's best GEMM rate)."""
     rate = machine["gemm_bf16_GFLOPs" if dtype == "bf16" else "gemm_fp32_GFLOPs"]
-    cmp_s = batch * roofline.flops_per_token(cfg, context) / (rate * 1e9)
-    return {"mem_s": mem_s, "compute_s": cmp_s, "kind": "memory" if mem_s >= cmp_s else "compute",
-            "bound_s": max(mem_s, cmp_s)}
+    return roofline.decode_step_bound(cfg, 2 if dtype == "bf16" else 4, batch, context, read_GBs,
+                                      rate, distinct_experts)
+
+
+def routing_spread(model, prompts: List[List[int]]) -> Optional[float]:
+    """Experts per layer a decode step of these prompts touches (mean over steps and layers),
+    counted through the probe seam in an untimed 4-token generate: the bytes the step must read
+    (a model whose router favours some experts touches fewer than uniform routing would)."""
+    from tonp_models.layers.probe import pop_hook, push_hook
+    counts: List[int] = []
+
+    def hook(op, value, **meta):
+        if op == "route.ids" and value.shape[0] == len(prompts):   # decode steps, not the prefill
+            counts.append(int(value.unique().numel()))
+    push_hook(hook)
+    try:
+        with tk.use("invariant"):
+            generate(model, prompts, 4, max_batch_size=len(prompts))
+    finally:
+        pop_hook(hook)
+    return statistics.mean(counts) if counts else None
 
 
 def main(argv=None) -> dict:
@@ -235,26 +255,25 @@ def main(argv=None) -> dict:
                     peer.run(prompts[:1], 2)
                 best_t, best_p = None, None
                 pre_t, pre_p = float("inf"), float("inf")  # the prefill alone: a 1-token generate
+                probes = []  # the read bandwidth right after each timed generate
                 for _ in range(rounds):
                     t = tonp_run(model, prompts, a.new)
+                    probes.append(roofline.read_bandwidth_now(64 if a.smoke else 256))
                     best_t = t if best_t is None or t["wall_s"] < best_t["wall_s"] else best_t
                     pre_t = min(pre_t, tonp_run(model, prompts, 1)["wall_s"])
                     if peer is not None:
                         p = peer.run(prompts, a.new)
                         best_p = p if best_p is None or p["wall_s"] < best_p["wall_s"] else best_p
                         pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
-                read_now = roofline.read_bandwidth_now(64 if a.smoke else 256)
-                bd = bound(cfg, machine, dname, b, context, read_now)
                 if b == batches[0]:
                     ref_tonp = best_t["logprobs0"]
                     ref_peer = best_p["logprobs0"] if best_p else None
-                same = torch.equal(best_t["logprobs0"], ref_tonp)
-                r = {"dtype": dname, "batch": b, "tonp_step_tok_s": b / best_t["step_s"],
+                r = {"dtype": dname, "batch": b, "tonp_step_s": best_t["step_s"],
+                     "tonp_step_tok_s": b / best_t["step_s"],
                      "tonp_forward_s": best_t["forward_s"], "tonp_overhead_s":
                      best_t["overhead_s"], "tonp_e2e_tok_s": b * a.new / best_t["wall_s"],
-                     "bound": bd, "read_GBs": read_now,
-                     "fraction_of_bound": bd["bound_s"] / best_t["step_s"],
-                     "tonp_batch_invariant": same,
+                     "read_GBs_probes": probes, "distinct_experts": routing_spread(model, prompts),
+                     "tonp_batch_invariant": torch.equal(best_t["logprobs0"], ref_tonp),
                      "tonp_prefill_tok_s": b * a.prompt_len / pre_t}
                 if best_p is not None:
                     r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
@@ -263,24 +282,41 @@ def main(argv=None) -> dict:
                     r["vllm_differ_vs_batch1"] = sum(
                         x != y for x, y in zip(best_p["logprobs0"], ref_peer))
                 data["results"].append(r)
-                rows.append([dname, b, fmt(r["tonp_step_tok_s"]), f"{bd['kind']}",
-                             f"{100 * r['fraction_of_bound']:.0f}%",
-                             f"{1e3 * r['tonp_overhead_s']:.1f} ms",
-                             fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
-                             fmt_ratio(r.get("tonp_over_vllm")), fmt(r["tonp_prefill_tok_s"]),
-                             fmt(r.get("vllm_prefill_tok_s")),
-                             fmt_ratio(r.get("vllm_prefill_tok_s") and
-                                       r["tonp_prefill_tok_s"] / r["vllm_prefill_tok_s"]),
-                             "yes" if same else "NO",
-                             str(r.get("vllm_differ_vs_batch1", "-"))])
-                log(f"  {dname} batch {b}: {rows[-1]}")
+                log(f"  {dname} batch {b}: tonp step {1e3 * r['tonp_step_s']:.1f} ms, e2e "
+                    f"{r['tonp_e2e_tok_s']:.1f} tok/s, vLLM {r.get('vllm_e2e_tok_s')}")
         finally:
             if peer is not None:
                 data["vllm_version"] = peer.version
                 peer.close()
             if tmp is not None:
                 tmp.cleanup()
-    head = ["dtype", "batch", "tonp decode tok/s", "bound", "of bound", "engine overhead/step",
+    # The machine's rates once more at the end; each bound takes the best of both (a rate
+    # measured while the machine was slow is no bound), and the best read probe around its steps.
+    end = roofline.measure_machine(size)
+    end.update(bf16_gemm_GFLOPs(size))
+    data["machine_end"] = end
+    for k in ("gemm_fp32_GFLOPs", "gemm_bf16_GFLOPs"):
+        machine[k] = max(machine[k], end[k])
+    for r in data["results"]:
+        bd = bound(cfg, machine, r["dtype"], r["batch"], context, max(r["read_GBs_probes"]),
+                   r["distinct_experts"])
+        r.update(bound=bd, read_GBs=max(r["read_GBs_probes"]),
+                 fraction_of_bound=bd["bound_s"] / r["tonp_step_s"],
+                 fraction_of_coarse_bound=bd["coarse_bound_s"] / r["tonp_step_s"])
+        rows.append([r["dtype"], r["batch"], fmt(r["tonp_step_tok_s"]), bd["kind"],
+                     f"{100 * r['fraction_of_bound']:.0f}%",
+                     f"{100 * r['fraction_of_coarse_bound']:.0f}%",
+                     f"{bd['distinct_experts']:.0f}",
+                     f"{1e3 * r['tonp_overhead_s']:.1f} ms",
+                     fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
+                     fmt_ratio(r.get("tonp_over_vllm")), fmt(r["tonp_prefill_tok_s"]),
+                     fmt(r.get("vllm_prefill_tok_s")),
+                     fmt_ratio(r.get("vllm_prefill_tok_s") and
+                               r["tonp_prefill_tok_s"] / r["vllm_prefill_tok_s"]),
+                     "yes" if r["tonp_batch_invariant"] else "NO",
+                     str(r.get("vllm_differ_vs_batch1", "-"))])
+    head = ["dtype", "batch", "tonp decode tok/s", "bound", "of bound", "of whole-step bound",
+            "experts / layer", "engine overhead/step",
             "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp prefill tok/s",
             "vLLM prefill tok/s", "prefill tonp / vLLM", "tonp bits = batch 1",
             f"vLLM logprobs differing from batch 1 (of {a.new})"]
@@ -293,8 +329,14 @@ def main(argv=None) -> dict:
           f"vLLM: {data.get('vllm_version') or peer_note}"
           f"{' (eager)' if data.get('vllm_eager') else ''}.\n"
           f"{busy_warning(meta)}\n\n" + md_table(head, rows) + "\n\n'of bound': the step's "
-          "bound (bytes over the read bandwidth probed after the batch, or FLOPs over the dtype's "
-          "GEMM rate, whichever is larger) over the measured decode step. 'engine overhead': the "
+          "roofline over the measured decode step, op class by op class (dense linears, experts, "
+          "attention's KV read, the rest), each at the larger of its bytes over the read "
+          "bandwidth (the best of the probes taken right after each timed generate) and its "
+          "FLOPs over the dtype's GEMM rate (the better of the run's start and end); 'bound' says which binds (mixed: the experts stream while "
+          "the dense linears compute). 'of whole-step bound': the same over max(all bytes over the "
+          "bandwidth, all FLOPs over the rate), which no sequential forward can reach when the "
+          "classes bind differently. 'experts / layer': distinct experts a decode step touched, "
+          "counted through the probe seam (uniform routing: 8, 82, 126, 128). 'engine overhead': the "
           "median step's time outside the model's forward. e2e: generated tokens over one "
           "generate call's wall time, prefill included, best of the rounds. prefill: prompt "
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "

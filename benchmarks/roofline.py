@@ -15,10 +15,15 @@ Bounds:
     weights, plus attention over the causal context; training = 3x the forward) over the MKL fp32
     GEMM rate. bf16 is held to the same fp32 bound: CPUs without AVX512-BF16/AMX convert bf16 to
     fp32 and use fp32 FMAs, so bf16 only halves the bytes.
+  * a batched decode step (`decode_step_bound`) is both: its ops run one after another, so its
+    bound is the sum over op classes (dense linears, experts, attention's KV read, the rest) of
+    each class's max(bytes / bandwidth, FLOPs / GEMM rate). At batch 64-128 the dense linears are
+    compute-bound while the experts still stream; the max of the step's totals would let one
+    hide under the other, which no sequential forward does.
 The best (minimum-time) of a few repeats is the machine's limit; run_all measures at the start and
 at the end of a run and keeps the best of both (`best_of`). A decode measurement also probes the
-read bandwidth between its repeats (`read_bandwidth_now`); its bound uses the median probe, the
-bandwidth of the bus while the steps ran (a neighbour's load moves it by tens of percent).
+read bandwidth between its repeats (`read_bandwidth_now`): model_bench's bound uses the median
+probe, decode_bench's the best one (a neighbour's load moves it by tens of percent).
 """
 from __future__ import annotations
 
@@ -135,6 +140,52 @@ def kv_bytes(config, dtype_bytes: int, batch: int, context: float) -> float:
 def decode_bytes(config, dtype_bytes: int, batch: int, context: float) -> float:
     return active_weight_bytes(config, dtype_bytes, batch) + kv_bytes(config, dtype_bytes,
                                                                        batch, context)
+
+
+def decode_step_bound(config, dtype_bytes: int, batch: int, context: float, read_GBs: float,
+                      gemm_GFLOPs: float, distinct_experts: float = None) -> dict:
+    """A decode step's roofline, op class by op class. The step runs its ops one after another,
+    so its bound is the sum of each class's own bound, max(bytes / read bandwidth, FLOPs / GEMM
+    rate), not the max of the step's totals (which would let the experts' stream hide under the
+    dense linears' arithmetic, as no sequential forward can). Classes (every layer):
+      dense      attention q/k/v/o, the router, the LM head: each weight read once, 2 FLOPs per
+                 weight per token (at one batch size every dense linear has the same intensity,
+                 so one max over their sum is the sum of their maxes);
+      experts    the touched experts' weights (distinct_experts per layer, measured; default the
+                 uniform-routing expectation), 2 FLOPs per weight per routed row;
+      attention  the KV read, 4 Hq D context FLOPs per token;
+      other      norms, the embedding rows (bytes only).
+    Returns {"parts": {class: {"bytes", "flops", "mem_s", "compute_s", "kind"}}, "bound_s",
+    "kind" ("memory" / "compute" when every costly class agrees, else "mixed"),
+    "coarse_bound_s" (max of the totals: the bound the table used before)}."""
+    c = config
+    attn, router, expert, dense = _layer_counts(c)
+    H, D, L = c.hidden_size, c.head_dim, c.num_hidden_layers
+    qkvo = H * c.num_attention_heads * D * 2 + H * c.num_key_value_heads * D * 2
+    sparse = [c.is_sparse_layer(i) for i in range(L)]
+    ns = sum(sparse)
+    dense_w = L * qkvo + ns * router + (L - ns) * dense + c.vocab_size * H
+    n_exp = expected_distinct_experts(c, batch) if distinct_experts is None else distinct_experts
+    exp_w = ns * n_exp * expert
+    parts = {
+        "dense": (dense_w * dtype_bytes, 2.0 * batch * dense_w),
+        "experts": (exp_w * dtype_bytes,
+                    2.0 * batch * ns * c.num_experts_per_tok * expert),
+        "attention": (kv_bytes(c, dtype_bytes, batch, context),
+                      4.0 * batch * L * c.num_attention_heads * D * context),
+        "other": ((L * (attn - qkvo) + H * (1 + batch)) * dtype_bytes, 0.0),
+    }
+    out, total = {}, 0.0
+    for name, (nbytes, flops) in parts.items():
+        mem_s, cmp_s = nbytes / (read_GBs * 1e9), flops / (gemm_GFLOPs * 1e9)
+        out[name] = {"bytes": nbytes, "flops": flops, "mem_s": mem_s, "compute_s": cmp_s,
+                     "kind": "memory" if mem_s >= cmp_s else "compute"}
+        total += max(mem_s, cmp_s)
+    kinds = {p["kind"] for n, p in out.items() if n in ("dense", "experts")}
+    mem_all = sum(p["mem_s"] for p in out.values())
+    cmp_all = sum(p["compute_s"] for p in out.values())
+    return {"parts": out, "bound_s": total, "kind": kinds.pop() if len(kinds) == 1 else "mixed",
+            "distinct_experts": n_exp, "coarse_bound_s": max(mem_all, cmp_all)}
 
 
 def flops_per_token(config, context: float, training: bool = False) -> float:

@@ -49,6 +49,31 @@ def test_roofline_counts_active_weights():
         3 * roofline.flops_per_token(c, 10)
 
 
+def test_decode_step_bound_adds_each_op_class_at_its_own_limit():
+    """The step's roofline is the sum over op classes of max(bytes / bandwidth, FLOPs / rate):
+    its bytes are the whole step's (decode_bytes), and at batch 128 (dense linears compute-bound,
+    experts memory-bound) it exceeds the max of the totals; measured distinct experts replace the
+    uniform expectation."""
+    import roofline
+    from tonp_models import Qwen3MoeConfig
+    c = Qwen3MoeConfig.preset("qwen3_30b_a3b", num_hidden_layers=2, vocab_size=16384)
+    for batch in (1, 16, 128):
+        b = roofline.decode_step_bound(c, 4, batch, 80.0, read_GBs=30.0, gemm_GFLOPs=190.0)
+        nbytes = sum(p["bytes"] for p in b["parts"].values())
+        assert nbytes == pytest.approx(roofline.decode_bytes(c, 4, batch, 80.0), rel=1e-12)
+        assert b["bound_s"] == pytest.approx(sum(max(p["mem_s"], p["compute_s"])
+                                                 for p in b["parts"].values()))
+        assert b["bound_s"] >= b["coarse_bound_s"]
+    b1 = roofline.decode_step_bound(c, 4, 1, 80.0, read_GBs=30.0, gemm_GFLOPs=190.0)
+    assert b1["kind"] == "memory" and b1["bound_s"] == pytest.approx(b1["coarse_bound_s"])
+    b = roofline.decode_step_bound(c, 4, 128, 80.0, read_GBs=30.0, gemm_GFLOPs=190.0)
+    assert b["kind"] == "mixed" and b["parts"]["dense"]["kind"] == "compute"
+    assert b["parts"]["experts"]["kind"] == "memory" and b["bound_s"] > 1.2 * b["coarse_bound_s"]
+    few = roofline.decode_step_bound(c, 4, 128, 80.0, 30.0, 190.0, distinct_experts=64)
+    assert few["parts"]["experts"]["bytes"] == pytest.approx(b["parts"]["experts"]["bytes"] * 64
+                                                            / b["distinct_experts"])
+
+
 def test_kernel_benchmark_samples_candidates_in_turn():
     """benchmarks/kernel_bench.py times the baseline and tonp round by round (a, b, c, a, b, c, ...),
     so a drifting load falls on all of them alike. Checks the order and count of the calls, not
@@ -96,7 +121,10 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
     assert [r["batch"] for r in rows] == [1, 4]
     for r in rows:
         assert r["tonp_batch_invariant"] is True
-        assert r["bound"]["kind"] in ("memory", "compute") and 0 < r["fraction_of_bound"]
+        assert r["bound"]["kind"] in ("memory", "compute", "mixed") and 0 < r["fraction_of_bound"]
+        assert r["fraction_of_coarse_bound"] <= r["fraction_of_bound"]
+        assert 1 <= r["bound"]["distinct_experts"] <= data["config"]["num_experts"]
+        assert len(r["read_GBs_probes"]) == 1
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
         assert r["tonp_prefill_tok_s"] > 0 and "vllm_prefill_tok_s" not in r
     md = (tmp_path / "decode_smoke.md").read_text()
