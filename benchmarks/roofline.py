@@ -143,7 +143,7 @@ def decode_bytes(config, dtype_bytes: int, batch: int, context: float) -> float:
 
 
 def decode_step_bound(config, dtype_bytes: int, batch: int, context: float, read_GBs: float,
-                      gemm_GFLOPs: float, distinct_experts: float = None) -> dict:
+                      gemm_GFLOPs: float, distinct_experts: float | None = None) -> dict:
     """A decode step's roofline, op class by op class. The step runs its ops one after another,
     so its bound is the sum of each class's own bound, max(bytes / read bandwidth, FLOPs / GEMM
     rate), not the max of the step's totals (which would let the experts' stream hide under the
@@ -181,7 +181,7 @@ def decode_step_bound(config, dtype_bytes: int, batch: int, context: float, read
         out[name] = {"bytes": nbytes, "flops": flops, "mem_s": mem_s, "compute_s": cmp_s,
                      "kind": "memory" if mem_s >= cmp_s else "compute"}
         total += max(mem_s, cmp_s)
-    kinds = {p["kind"] for n, p in out.items() if n in ("dense", "experts")}
+    kinds = {p["kind"] for n, p in out.items() if n in ("dense", "experts") and p["bytes"]}
     mem_all = sum(p["mem_s"] for p in out.values())
     cmp_all = sum(p["compute_s"] for p in out.values())
     return {"parts": out, "bound_s": total, "kind": kinds.pop() if len(kinds) == 1 else "mixed",
