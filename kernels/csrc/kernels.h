@@ -16,7 +16,10 @@ constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row 
 constexpr int kRowBlockZmm = 256;  // the same for fp32 arithmetic in the AVX-512 build (Kernels::row_block_f32)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
-constexpr int kLaneRowsZmm = 10;  // the same in the AVX-512 build (4-row dot tiles in its 32 registers)
+// The same in the AVX-512 build (4-row dot tiles in its 32 registers): 32. Measured cold on the
+// AMD EPYC (Zen 4; benchmarks/stream.py's panel harness, 2 threads, gate_up [1536, 2048] and
+// down [2048, 768]): the dot tiles ran 1.05-1.4x the lane passes at 10-32 rows, level at 48.
+constexpr int kLaneRowsZmm = 32;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
