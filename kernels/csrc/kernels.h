@@ -17,8 +17,9 @@ constexpr int kRowBlockZmm = 256;  // the same for fp32 arithmetic in the AVX-51
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 // The same in the AVX-512 build (4-row dot tiles in its 32 registers): 32. Measured cold on the
-// AMD EPYC (Zen 4; benchmarks/stream.py's panel harness, 2 threads, gate_up [1536, 2048] and
-// down [2048, 768]): the dot tiles ran 1.05-1.4x the lane passes at 10-32 rows, level at 48.
+// AMD EPYC (Zen 4; the panel harness now in benchmarks/stream.py; gate_up [1536, 2048], down
+// [2048, 768]): the dot tiles ran about 1.0-1.7x the lane passes at 10-32 rows, level or
+// slower at 48 (docs/history/performance-decode.md).
 constexpr int kLaneRowsZmm = 32;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
