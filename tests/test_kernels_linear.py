@@ -40,9 +40,9 @@ def test_row_does_not_depend_on_its_batch(M, K, N, dtype, gen):
 def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
     K, N = 2048, 48
     w, _ = _weights(K, N, dtype, gen)
-    # 8, 9 and 10 rows: about the fp32 lane-pass thresholds (8; the AVX-512 build 10, its dot
-    # tiles four rows), each row also computed alone and among other rows
-    for M in (1, 5, 8, 9, 10, 64, 129):
+    # 8, 9 and 10 rows and 31, 32 and 33: about the fp32 lane-pass thresholds (8; the AVX-512
+    # build 32, its dot tiles four rows), each row also computed alone and among other rows
+    for M in (1, 5, 8, 9, 10, 31, 32, 33, 64, 129):
         check_row_invariance(lambda x: tk.linear(x, w, out_dtype=torch.float32),
                              lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
 
