@@ -240,3 +240,24 @@ def _json_default(o):
 def log(msg: str) -> None:
     """Progress on stdout, flushed (runs are long; the user wants to see where they are)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+_CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]  # setup.py's
+
+
+def build_kernel_bench(source: str, out_dir: Path) -> Path:
+    """A C++ microbenchmark (benchmarks/<source>.cpp) linked with the torch-free kernel tables
+    (kernels/csrc/isa_*.cpp), compiled with the extension's flags, objects in parallel; returns
+    the executable in out_dir."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    srcs = sorted((root / "kernels" / "csrc").glob("isa_*.cpp")) + [
+        root / "benchmarks" / f"{source}.cpp"]
+    objs = [str(out_dir / (s.stem + ".o")) for s in srcs]
+    procs = [subprocess.Popen(["g++", *_CXX_FLAGS, "-c", str(s), "-o", o])
+             for s, o in zip(srcs, objs)]
+    if any(p.wait() for p in procs):
+        raise RuntimeError(f"{source}: compilation failed")
+    exe = out_dir / source
+    subprocess.run(["g++", "-fopenmp", *objs, "-o", str(exe)], check=True)
+    return exe

@@ -27,28 +27,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
 import tonp_kernels as tk  # noqa: E402
-from benchlib import RESULTS_DIR, machine_meta, md_table  # noqa: E402
+from benchlib import RESULTS_DIR, build_kernel_bench, machine_meta, md_table  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]  # setup.py's
 OP_SHAPES = [("q_proj", 256, 2048, 4096), ("o_proj", 256, 4096, 2048), ("lm_head", 256, 2048, 16384),
              ("expert gate_up", 16, 2048, 1536), ("expert down", 16, 768, 2048),
              ("q_proj", 1, 2048, 4096)]
-
-
-def build_bench(out_dir: Path) -> Path:
-    srcs = sorted((ROOT / "kernels" / "csrc").glob("isa_*.cpp")) + [ROOT / "benchmarks" / "bf16dot_bench.cpp"]
-    objs = []
-    procs = []
-    for s in srcs:
-        o = out_dir / (s.stem + ".o")
-        procs.append(subprocess.Popen(["g++", *FLAGS, "-c", str(s), "-o", str(o)]))
-        objs.append(str(o))
-    if any(p.wait() for p in procs):
-        raise RuntimeError("bf16dot_bench: compilation failed")
-    exe = out_dir / "bf16dot_bench"
-    subprocess.run(["g++", "-fopenmp", *objs, "-o", str(exe)], check=True)
-    return exe
 
 
 def kernel_table(exe: Path, repeats: int, threads: int) -> tuple[str, list]:
@@ -107,7 +90,7 @@ def main(argv=None):
     meta = machine_meta()
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build_bench(Path(tmp))
+        exe = build_kernel_bench("bf16dot_bench", Path(tmp))
         head1, ktab1 = kernel_table(exe, args.repeats, 1)
         head, ktab = kernel_table(exe, args.repeats, threads)
     otab = op_table(args.repeats)

@@ -49,13 +49,13 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
   {
     const int64_t rmax = std::min(rb, M);
     std::unique_ptr<float[]> scratch(
-        new float[pairs ? linear_scratch_bf16(chunks, K, rmax) : linear_scratch(chunks, K, rmax, Elem::BF16)]);
+        new float[pairs ? linear_scratch_bf16(chunks, K, rmax) : linear_scratch(chunks, K, rmax, Elem::BF16, k->lane_rows_f32)]);
     std::unique_ptr<float[]> xl(new float[rmax * K]);  // fp32 lane passes: x lane-packed (as ops.cpp)
     int64_t packed = -1;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < np * nmb; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * rb, rows = std::min(rb, M - r0);
-      const bool lanes_packed = !pairs && k->pack_lanes && linear_lane_passes(rows, kc, Elem::BF16);
+      const bool lanes_packed = !pairs && k->pack_lanes && linear_lane_passes(rows, kc, Elem::BF16, k->lane_rows_f32);
       if (lanes_packed && packed != mb) k->pack_lanes(xf.data() + r0 * K, K, rows, kc, chunks, xl.get()), packed = mb;
       const int ncols = int(std::min<int64_t>(pw, N - p * pw));
       uint16_t* o = out.data() + r0 * N + p * pw;

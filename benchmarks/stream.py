@@ -25,24 +25,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-from benchlib import RESULTS_DIR, machine_meta, md_table, write_results  # noqa: E402
+from benchlib import RESULTS_DIR, build_kernel_bench, machine_meta, md_table, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]  # setup.py's
-
-
-def build(out_dir: Path) -> Path:
-    srcs = sorted((ROOT / "kernels" / "csrc").glob("isa_*.cpp")) + [ROOT / "benchmarks" / "stream_bench.cpp"]
-    objs, procs = [], []
-    for s in srcs:
-        o = out_dir / (s.stem + ".o")
-        procs.append(subprocess.Popen(["g++", *FLAGS, "-c", str(s), "-o", str(o)]))
-        objs.append(str(o))
-    if any(p.wait() for p in procs):
-        raise RuntimeError("stream_bench: compilation failed")
-    exe = out_dir / "stream_bench"
-    subprocess.run(["g++", "-fopenmp", *objs, "-o", str(exe)], check=True)
-    return exe
 
 
 def run(exe: Path, mib: int, repeats: int, threads: int) -> dict:
@@ -87,7 +71,7 @@ def main(argv=None) -> dict:
     meta = machine_meta()
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(Path(tmp))
+        exe = build_kernel_bench("stream_bench", Path(tmp))
         res = {t: run(exe, a.mib, a.repeats, t) for t in sorted({1, threads})}
     md = [f"# One core's weight stream under arithmetic ({meta['date']})", "",
           f"{meta['cpu']}; kernel table **{res[1]['table']}**; {a.mib} MiB cold; best of "
