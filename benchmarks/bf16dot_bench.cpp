@@ -51,17 +51,21 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
     std::unique_ptr<float[]> scratch(
         new float[pairs ? linear_scratch_bf16(chunks, K, rmax) : linear_scratch(chunks, K, rmax, Elem::BF16, k->lane_rows_f32)]);
     std::unique_ptr<float[]> xl(new float[rmax * K]);  // fp32 lane passes: x lane-packed (as ops.cpp)
-    int64_t packed = -1;
+    std::unique_ptr<float[]> xp(new float[pairs_floats(rmax, chunks, kc)]);  // dot products: x in row pairs
+    int64_t packed = -1, paired = -1;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < np * nmb; ++t) {
       const int64_t mb = t / np, p = t % np, r0 = mb * rb, rows = std::min(rb, M - r0);
       const bool lanes_packed = !pairs && k->pack_lanes && linear_lane_passes(rows, kc, Elem::BF16, k->lane_rows_f32);
       if (lanes_packed && packed != mb) k->pack_lanes(xf.data() + r0 * K, K, rows, kc, chunks, xl.get()), packed = mb;
+      const bool in_pairs = pairs && k->pack_pairs && bf16_packs_pairs(rows, kc);
+      uint16_t* xpp = reinterpret_cast<uint16_t*>(xp.get());
+      if (in_pairs && paired != mb) k->pack_pairs(xb.data() + r0 * K, K, kc, rows, chunks, xpp), paired = mb;
       const int ncols = int(std::min<int64_t>(pw, N - p * pw));
       uint16_t* o = out.data() + r0 * N + p * pw;
       if (pairs)
         k->linear_panel_bf16(xb.data() + r0 * K, K, kc, rows, w.data() + p * pw * K, K, kc, chunks, nullptr, ncols, o,
-                             N, Elem::BF16, scratch.get());
+                             N, Elem::BF16, scratch.get(), in_pairs ? xpp : nullptr);
       else
         k->linear_panel(xf.data() + r0 * K, K, rows, w.data() + p * pw * K, K, Elem::BF16, kc, chunks, nullptr, ncols,
                         o, N, Elem::BF16, scratch.get(), lanes_packed ? xl.get() : nullptr);

@@ -87,6 +87,12 @@ inline int64_t bf16_row_block(int64_t M) {
   return M <= 0 ? kRowBlockPairs : (M + nb - 1) / nb;
 }
 
+// Whether a bf16 x bf16 linear task on the instruction runs dot products over x packed in row
+// pairs (Kernels::pack_pairs): every task that runs no lane passes. pairs_floats: the floats of
+// such a packing of `rows` rows (an odd last row is paired with zeros).
+inline bool bf16_packs_pairs(int64_t rows, int64_t kc) { return rows > 1 && !bf16_lane_passes(rows, kc, true); }
+inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc; }
+
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
   const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
   return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
@@ -134,10 +140,12 @@ struct Kernels {
   // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
   // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
   // otherwise as linear_panel.
-  // scratch: linear_scratch_bf16(chunks, K, rows) floats.
+  // scratch: linear_scratch_bf16(chunks, K, rows) floats. xpairs: where the table has pack_pairs
+  // and bf16_packs_pairs(rows, kc), the same rows packed by it (required: those dot products read
+  // x there; made once, read by every panel of the rows); otherwise null.
   void (*linear_panel_bf16)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                             int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
-                            int64_t ldo, Elem oelem, float* scratch);
+                            int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs);
   // One step of the pair chains on n lanes (acc fp32 [n], a, b bf16 [n, 2]): the unit the
   // equality tests compare across builds and with the instruction.
   void (*bf16_pair_step)(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n);
@@ -165,6 +173,10 @@ struct Kernels {
   // the AVX-512 build kRowBlockZmm (its lane passes transpose each weight chunk once per task;
   // more rows amortise that). Which rows share a task never changes a bit.
   int row_block_f32;
+  // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
+  // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
+  // whose linear_panel_bf16 reads x in place (the emulated builds).
+  void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
 };
 
 const Kernels* kernels_avx2();

@@ -179,6 +179,7 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32));
       LanePack lanes(kern, !pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
+      PairPack xpairs(kern, pairs, max_rows, chunks, kc);
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
@@ -188,7 +189,8 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
         if (pairs)
           kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, xk, k.rows,
                                   reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
-                                  scratch.get());
+                                  scratch.get(),
+                                  xpairs.of(t / np, reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, k.rows, int(chunks)));
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
                              nullptr, ncols, o, N, xe, scratch.get(),

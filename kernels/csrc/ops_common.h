@@ -167,6 +167,30 @@ class LanePack {
   int64_t packed_ = -1;
 };
 
+// A bf16 x bf16 linear's rows packed in row pairs (Kernels::pack_pairs) for its dot products,
+// once per row block and read by all the block's panels; null where the table has no packing or
+// the block runs lane passes (the kernel then reads x in place or packs it itself).
+class PairPack {
+ public:
+  PairPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t chunks, int64_t kc)
+      : kern_(kern), kc_(kc), xkc_(bf16_chunk_stride(kc)),
+        on_(pairs && kern->pack_pairs && max_rows > 1),
+        buf_(scratch_floats(on_ ? pairs_floats(max_rows, chunks, xkc_) : 0)) {}
+  const uint16_t* of(int64_t block, const uint16_t* x, int64_t ldx, int64_t rows, int chunks) {
+    if (!on_ || !bf16_packs_pairs(rows, kc_)) return nullptr;
+    uint16_t* xp = reinterpret_cast<uint16_t*>(buf_.get());
+    if (block != packed_) kern_->pack_pairs(x, ldx, xkc_, rows, chunks, xp), packed_ = block;
+    return xp;
+  }
+
+ private:
+  const Kernels* kern_;
+  int64_t kc_, xkc_;
+  bool on_;
+  Scratch buf_;
+  int64_t packed_ = -1;
+};
+
 inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 1 && (chunks & (chunks - 1)) == 0, "tonp.", op, ": chunks must be a power of two, got ", chunks);
   TORCH_CHECK_VALUE(K % chunks == 0, "tonp.", op, ": the reduction size K=", K, " is not divisible by chunks=", chunks,
