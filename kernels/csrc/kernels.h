@@ -24,7 +24,7 @@ constexpr int kLaneRowsZmm = 32;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
-constexpr int kLaneRowsPairsShort = 12;  // the same for chunks of at most kShortChunk elements
+constexpr int kLaneRowsPairsShort = 24;  // the same for chunks of at most kShortChunk elements
 constexpr int kShortChunk = 96;  // K = 768 at C = 8: the experts' down projection
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 
@@ -63,10 +63,11 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, i
 // Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 48 rows
 // (its dot products run two rows per zmm and stream the weights once for every row, while the
 // lane passes' packing pass costs what fewer rows do not amortise: measured on AMD Zen 5, 4-8 rows
-// 4x faster as dot products), or from 12 when a chunk is at most 96 elements (a dot product's
-// horizontal sum per chunk weighs more there: on Zen 4 the lane passes ran 1.1-1.4x the dot
-// products at 11-32 rows with K = 768); emulated from 20 (unpacking a chunk to fp32 costs the
-// same). Measured on the project's CPU; the choice never changes a bit.
+// 4x faster as dot products), or from 24 when a chunk is at most 96 elements (a dot product's
+// horizontal sum per chunk weighs more there: on Zen 4, K = 768, 2 threads, cold weights, the dot
+// products over x in row pairs ran 1.2-1.3x the lane passes at 12-16 rows, 1.07x at 20, level at
+// 24-28, 0.96x at 32); emulated from 20 (unpacking a chunk to fp32 costs the same). Measured on
+// the project's CPU; the choice never changes a bit.
 inline bool bf16_lane_passes(int64_t rows, int64_t kc, bool hw) {
   return rows >= (!hw ? kLaneRowsPairsEmu : kc <= kShortChunk ? kLaneRowsPairsShort : kLaneRowsPairs);
 }
