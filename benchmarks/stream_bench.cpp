@@ -92,12 +92,8 @@ void panels(const Kernels* k, const std::vector<float>& W, int64_t E, int64_t N,
 #pragma omp parallel
     {
       std::vector<float> scratch(linear_scratch(chunks, K, rows, Elem::F32, k->lane_rows_f32));
-      // x packed as linear_panel reads it (as ops_common.h's LanePack): lane-packed, in row pairs, or in place
-      const bool lanes = linear_lane_passes(rows, kc, Elem::F32, k->lane_rows_f32);
-      const bool pairs = linear_row_pairs(rows, kc, Elem::F32, k->lane_rows_f32, k->pair_rows_f32);
-      std::vector<float> xl(lanes ? int64_t(rows) * K : pairs ? row_pairs_floats(rows, kc, chunks) : 0);
-      if (lanes) k->pack_lanes(x.data(), K, rows, kc, chunks, xl.data());
-      if (pairs) k->pack_pairs_f32(x.data(), K, rows, kc, chunks, xl.data());
+      std::vector<float> xl(linear_lane_passes(rows, kc, Elem::F32, k->lane_rows_f32) ? int64_t(rows) * K : 0);
+      if (!xl.empty()) k->pack_lanes(x.data(), K, rows, kc, chunks, xl.data());
       std::vector<float> out(int64_t(rows) * kPanel);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < E * np; ++t) {

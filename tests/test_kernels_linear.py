@@ -41,9 +41,8 @@ def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
     K, N = 2048, 48
     w, _ = _weights(K, N, dtype, gen)
     # 8, 9 and 10 rows and 31, 32 and 33: about the fp32 lane-pass thresholds (8; the AVX-512
-    # build 32, its dot tiles four rows, with fp32 weights from 6 rows two rows per zmm over x in
-    # row pairs: 5, 6, 7), each row also computed alone and among other rows
-    for M in (1, 5, 6, 7, 8, 9, 10, 31, 32, 33, 64, 129):
+    # build 32, its dot tiles four rows), each row also computed alone and among other rows
+    for M in (1, 5, 8, 9, 10, 31, 32, 33, 64, 129):
         check_row_invariance(lambda x: tk.linear(x, w, out_dtype=torch.float32),
                              lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
 
@@ -59,10 +58,9 @@ def test_row_invariance_with_short_chunks(dtype, gen):
             check_row_invariance(lambda x: tk.linear(x, w, b),
                                  lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
         x = randn(100, K, dtype=dtype, gen=gen)
-        for m in (7, 100):  # 7: the AVX-512 build's zmm dot tiles over row pairs (and a lone row)
-            with env("TONP_FORCE_PORTABLE", "1"):
-                portable = tk.linear(x[:m], w, b)
-            assert_bitwise(tk.linear(x[:m], w, b), portable, f"K={K} M={m} native vs portable")
+        with env("TONP_FORCE_PORTABLE", "1"):
+            portable = tk.linear(x, w, b)
+        assert_bitwise(tk.linear(x, w, b), portable, f"K={K} AVX2 vs portable")
         assert_close(tk.linear(x, w, b), reference.linear(x, w, b), dtype=dtype,
                      what=f"K={K} vs reference")
 

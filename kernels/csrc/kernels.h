@@ -22,12 +22,6 @@ constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or m
 // slower at 48 (docs/history/performance-decode.md).
 constexpr int kLaneRowsZmm = 32;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
-// The AVX-512 build's fp32-weight dot products run two rows per zmm over x packed in row pairs
-// from this many rows (Kernels::pair_rows_f32; 0, never, in the other builds). Measured cold on
-// the AMD EPYC (Zen 4; the panel harness of benchmarks/stream.py, gate_up [1536, 2048], 2
-// threads): 1.03-1.09x the 4-row ymm tiles at 6 rows, 1.15-1.22x at 8, 1.06x at 16, 1.13-1.15x at
-// 24, level at 2, 4 and 12.
-constexpr int kPairRowsZmm = 6;
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
 constexpr int kLaneRowsPairsShort = 24;  // the same for chunks of at most kShortChunk elements
@@ -56,14 +50,6 @@ struct AttnQuery {
 inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) {
   return rows >= (w == Elem::BF16 ? kLaneRowsBf16 : lane_rows) || (kc <= 8 && rows >= 3);
 }
-
-// Whether such a task (no lane passes) reads x packed in row pairs (Kernels::pack_pairs_f32): fp32
-// weights, from pair_rows rows (the table's Kernels::pair_rows_f32; 0: never).
-inline bool linear_row_pairs(int64_t rows, int64_t kc, Elem w, int lane_rows, int pair_rows) {
-  return pair_rows > 0 && w == Elem::F32 && rows >= pair_rows && !linear_lane_passes(rows, kc, w, lane_rows);
-}
-// Floats of `rows` rows packed in row pairs: per chunk, ceil(kc / 8) blocks of 16 per pair.
-inline int64_t row_pairs_floats(int64_t rows, int64_t kc, int64_t chunks) { return (rows + 1) / 2 * chunks * ((kc + 7) / 8) * 16; }
 
 // Scratch floats a linear_panel call of at most `rows` rows needs (lane_rows: the table's
 // Kernels::lane_rows_f32): finished sums [rows, 16]; for lane passes also chunk partials
@@ -132,10 +118,8 @@ struct Kernels {
   // outputs per row. K = chunks * kc; each chunk is a sequential FMA chain over its k from 0;
   // chunk partials are combined by the pairwise tree. scratch: linear_scratch(chunks, K, rows,
   // welem, lane_rows_f32) floats (uninitialised). xl: where the call runs lane passes
-  // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes; where it
-  // reads row pairs (linear_row_pairs with lane_rows_f32 and pair_rows_f32), the rows packed by
-  // pack_pairs_f32 (either required: the call reads x there; the same operands in the same
-  // order); otherwise null.
+  // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
+  // those lane passes read x there; the same operands in the same order); otherwise null.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl);
@@ -194,12 +178,6 @@ struct Kernels {
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
-  // The rows [0, rows) of x (fp32, row stride ldx, K = chunks * kc) packed in row pairs for
-  // linear_panel's zmm dot products: row_pairs_floats(rows, kc, chunks) floats at xp, an exact
-  // copy (zeros past kc and past an odd last row), and the row count from which linear_panel
-  // reads them (linear_row_pairs). Null and 0 in the tables without them.
-  void (*pack_pairs_f32)(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xp);
-  int pair_rows_f32;
 };
 
 const Kernels* kernels_avx2();

@@ -10,12 +10,10 @@
 #if defined(TONP_AVX512)
 constexpr int kDotTileRows = 4;
 constexpr int kLaneRowsBuild = tonp::kLaneRowsZmm;
-constexpr int kPairRowsBuild = tonp::kPairRowsZmm;  // fp32 weights: zmm dot tiles over row pairs
 constexpr int kWeightPrefetch = 2;
 #else
 constexpr int kDotTileRows = 3;
 constexpr int kLaneRowsBuild = tonp::kLaneRows;
-constexpr int kPairRowsBuild = 0;
 constexpr int kWeightPrefetch = 3;
 #endif
 static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kWeightPrefetch); }
@@ -27,9 +25,8 @@ static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast
 // or many, any tile, any ISA) computes exactly this, so the bits depend only on x's row and W.
 //
 // Two layouts compute this. For few rows, dot products: each output's eight lanes in one vector,
-// the weight streamed in place (1x8 tiles for one row, 3x4 for more (AVX-512: 4x4; with fp32
-// weights from kPairRowsBuild rows two rows per zmm, 8x4, over x packed in row pairs), narrower at
-// a panel's edges), closed by hsum8. From 8 rows (AVX-512: 10; 20 with bf16 weights, 3 for chunks of at most 8:
+// the weight streamed in place (1x8 tiles for one row, 3x4 for more (AVX-512: 4x4), narrower at a
+// panel's edges), closed by hsum8. From 8 rows (AVX-512: 10; 20 with bf16 weights, 3 for chunks of at most 8:
 // linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
 // product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
 // tree across the eight lane vectors (the AVX-512 build: 8x16 tiles, a row's sixteen outputs in one
@@ -325,107 +322,6 @@ static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, i
   });
 }
 
-#if defined(TONP_AVX512)
-// The AVX-512 build's dot products with fp32 weights from kPairRowsBuild rows: two rows per zmm,
-// lanes 0-7 row 2p's eight lanes of an output, lanes 8-15 row 2p + 1's, the weight's eight
-// elements broadcast to both halves; an FMA is lane-wise, so each output's lanes see exactly
-// dot_chunk's steps (a chunk's last kc % 8 products masked to lanes 0.., the other lanes kept
-// exactly, as vsel_first), closed by the same tile_hsum and chunk tree. x comes packed in row
-// pairs (pack_pairs_f32, once per row block), so a row pair is one load and the weight a broadcast
-// from memory: twice the multiply-adds per load of the 4-row ymm tiles.
-
-// xp: chunk c, block b (k = 8b ..), pair p at xp + ((c * nb + b) * P + p) * 16 (nb = ceil(kc / 8),
-// P = ceil(rows / 2)): row 2p's eight values, then row 2p + 1's; zeros past kc and past the rows.
-static void pack_pairs_f32(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xp) {
-  const int64_t nb = (kc + 7) / 8, full = kc / 8, P = (rows + 1) / 2;
-  for (int c = 0; c < chunks; ++c)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t p = 0; p < P; ++p) {
-        float* d = xp + ((c * nb + b) * P + p) * 16;
-        for (int h = 0; h < 2; ++h) {
-          const int64_t r = 2 * p + h;
-          const float* src = x + r * ldx + c * kc + 8 * b;
-          if (r >= rows) vstore(d + 8 * h, vzero());
-          else if (b < full) vstore(d + 8 * h, vload(src));
-          else for (int j = 0; j < 8; ++j) d[8 * h + j] = 8 * b + j < kc ? src[j] : 0.f;
-        }
-      }
-}
-
-template <int MP, int NR>
-static inline void dot_tile_pairs(const float* xp, int64_t P, const float* w, int64_t ldw, int64_t kc, int chunks,
-                                  float* out, int64_t ldo, int64_t ahead) {
-  constexpr int MR = 2 * MP, NT = MR * NR;
-  float part[tonp::kMaxChunks][NT];
-  const int64_t nb = (kc + 7) / 8, full = kc / 8;
-  for (int c = 0; c < chunks; ++c) {
-    __m512 acc[MP * NR];
-    for (int i = 0; i < MP * NR; ++i) acc[i] = _mm512_setzero_ps();
-    const float* xc = xp + c * nb * P * 16;
-    const float* wc = w + c * kc;
-    auto step = [&](int64_t b) {
-      __m512 xv[MP];
-      for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_ps(xc + (b * P + p) * 16);
-      for (int n = 0; n < NR; ++n) {
-        const __m512 wv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(wc + n * ldw + 8 * b))));
-        for (int p = 0; p < MP; ++p) acc[p * NR + n] = _mm512_fmadd_ps(xv[p], wv, acc[p * NR + n]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= full; b += 2) {  // two blocks: one cache line of each weight row
-      if (ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
-        for (int n = 0; n < NR; ++n) prefetch_w(reinterpret_cast<uintptr_t>(wc) + 4 * uintptr_t((n + ahead) * ldw + 8 * b));
-      step(b);
-      step(b + 1);
-    }
-    for (; b < full; ++b) step(b);
-    if (full < nb) {  // the tail: lanes 0 .. kc % 8 - 1 of both halves step, the others keep their value
-      const __mmask8 m8 = __mmask8((1u << (kc - 8 * full)) - 1u);
-      const __mmask16 m = __mmask16(m8 | (unsigned(m8) << 8));
-      __m512 xv[MP];
-      for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_ps(xc + (full * P + p) * 16);
-      for (int n = 0; n < NR; ++n) {
-        const __m256 w8 = _mm256_maskz_loadu_ps(m8, wc + n * ldw + 8 * full);
-        const __m512 wv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(w8)));
-        for (int p = 0; p < MP; ++p) acc[p * NR + n] = _mm512_mask3_fmadd_ps(xv[p], wv, acc[p * NR + n], m);
-      }
-    }
-    V8 av[NT];
-    for (int p = 0; p < MP; ++p)
-      for (int n = 0; n < NR; ++n) {
-        av[(2 * p) * NR + n].v = _mm512_castps512_ps256(acc[p * NR + n]);
-        av[(2 * p + 1) * NR + n].v = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p * NR + n]), 1));
-      }
-    tile_hsum<NT>(av, part[c]);
-  }
-  tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
-}
-
-// 2 * MP rows, all ncols <= 16 columns, four at a time (the next tile's rows prefetched).
-template <int MP>
-static inline void dot_cols_pairs(const float* xp, int64_t P, const float* w, int64_t ldw, int64_t kc, int chunks,
-                                  int ncols, float* out) {
-  int n = 0;
-  for (; n + 4 <= ncols; n += 4) dot_tile_pairs<MP, 4>(xp, P, w + n * ldw, ldw, kc, chunks, out + n, kPanel, 8);
-  for (; n < ncols; ++n) dot_tile_pairs<MP, 1>(xp, P, w + n * ldw, ldw, kc, chunks, out + n, kPanel, 0);
-}
-
-// Rows in tiles of eight (four pairs), the last tile the pairs left, an odd last row alone.
-static void linear_rows_pairs(const float* x, int64_t ldx, const float* xp, int64_t rows, const float* W, int64_t ldw,
-                              int64_t kc, int chunks, int ncols, float* res) {
-  const int64_t P = (rows + 1) / 2;
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) dot_cols_pairs<4>(xp + (r / 2) * 16, P, W, ldw, kc, chunks, ncols, res + r * kPanel);
-  switch ((rows - r) / 2) {
-    case 3: dot_cols_pairs<3>(xp + (r / 2) * 16, P, W, ldw, kc, chunks, ncols, res + r * kPanel); break;
-    case 2: dot_cols_pairs<2>(xp + (r / 2) * 16, P, W, ldw, kc, chunks, ncols, res + r * kPanel); break;
-    case 1: dot_cols_pairs<1>(xp + (r / 2) * 16, P, W, ldw, kc, chunks, ncols, res + r * kPanel); break;
-    default: break;
-  }
-  if (rows % 2) dot_tile_cols<1, float>(x + (rows - 1) * ldx, ldx, W, ldw, kc, chunks, ncols, res + (rows - 1) * kPanel, kPanel);
-}
-#endif
-
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch, const float* xl) {
@@ -437,11 +333,6 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   const bool lanes = tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);
-#if defined(TONP_AVX512)
-    if (tonp::linear_row_pairs(rows, kc, welem, kLaneRowsBuild, kPairRowsBuild))  // xl: x in row pairs
-      linear_rows_pairs(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res);
-    else
-#endif
     lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
           : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   } else {

@@ -142,25 +142,19 @@ inline Scratch scratch_floats(int64_t n) {
   return Scratch(p, ScratchFree{have});
 }
 
-// One thread's packed x for linear_panel: a row block packed once, lane-packed for lane passes
-// (Kernels::pack_lanes) or in row pairs for the AVX-512 build's zmm dot products
-// (Kernels::pack_pairs_f32), and kept for the panels that follow it. of(block, ...) returns the
-// packing linear_panel takes for that call (null where it reads x in place), packing when the
-// block differs from the last one packed. Built for blocks of at most max_rows rows.
+// One thread's lane-packed x for linear_panel (Kernels::pack_lanes): a row block packed once and
+// kept for the panels that follow it. of(block, ...) returns the packing linear_panel takes for
+// that call (null where the call runs dot products), packing when
+// the block differs from the last one packed. Built for blocks of at most max_rows rows.
 class LanePack {
  public:
   LanePack(const Kernels* kern, bool fp32_lanes, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
       : kern_(kern), kc_(kc), welem_(welem),
-        lanes_(fp32_lanes && linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
-        pairs_(fp32_lanes && kern->pack_pairs_f32 && kern->pair_rows_f32 > 0 && welem == Elem::F32 &&
-               max_rows >= kern->pair_rows_f32),
-        buf_(scratch_floats(std::max(lanes_ ? max_rows * K : 0, pairs_ && kc > 0 ? row_pairs_floats(max_rows, kc, K / kc) : 0))) {}
+        on_(fp32_lanes && linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
+        buf_(scratch_floats(on_ ? max_rows * K : 0)) {}
   const float* of(int64_t block, const float* x, int64_t ldx, int64_t rows, int chunks) {
-    const bool lanes = lanes_ && linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32);
-    const bool pairs = pairs_ && linear_row_pairs(rows, kc_, welem_, kern_->lane_rows_f32, kern_->pair_rows_f32);
-    if (!lanes && !pairs) return nullptr;
-    if (block != packed_)
-      (lanes ? kern_->pack_lanes : kern_->pack_pairs_f32)(x, ldx, rows, kc_, chunks, buf_.get()), packed_ = block;
+    if (!on_ || !linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)) return nullptr;
+    if (block != packed_) kern_->pack_lanes(x, ldx, rows, kc_, chunks, buf_.get()), packed_ = block;
     return buf_.get();
   }
 
@@ -168,14 +162,14 @@ class LanePack {
   const Kernels* kern_;
   int64_t kc_;
   Elem welem_;
-  bool lanes_, pairs_;
+  bool on_;
   Scratch buf_;
   int64_t packed_ = -1;
 };
 
 // A bf16 x bf16 linear's rows packed in row pairs (Kernels::pack_pairs) for its dot products,
-// once per row block and read by all the block's panels; null where the table has no packing, the
-// block is one row or it runs lane passes (the kernel then reads x in place).
+// once per row block and read by all the block's panels; null where the table has no packing or
+// the block runs lane passes (the kernel then reads x in place or packs it itself).
 class PairPack {
  public:
   PairPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t chunks, int64_t kc)
