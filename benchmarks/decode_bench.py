@@ -9,8 +9,8 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
   * tonp's decode-step tokens/s (median step after the prefill forward) and its fraction of the
     step's roofline, op class by op class (roofline.decode_step_bound): dense linears, experts
     (the distinct experts the steps touched, counted through the probe seam), attention's KV
-    read, each at the larger of its bytes over the read bandwidth (the best probe taken after
-    each timed generate) and its FLOPs over the dtype's best GEMM rate measured in this run (at
+    read, each at the larger of its bytes over the read bandwidth (the better of the probes taken
+    just before and just after the reported round's generate) and its FLOPs over the dtype's best GEMM rate measured in this run (at
     its start and end; fp32: MKL's or tonp's; bf16: stock torch's matmul or tonp's linear); also
     against the whole step's max(bytes, FLOPs) bound, which a sequential forward cannot reach;
   * the engine's own time per step outside the model's forward (scheduling, input building,
@@ -255,10 +255,17 @@ def main(argv=None) -> dict:
                     peer.run(prompts[:1], 2)
                 best_t, best_p = None, None
                 pre_t, pre_p = float("inf"), float("inf")  # the prefill alone: a 1-token generate
-                probes = []  # the read bandwidth right after each timed generate
+                # The read bandwidth just before and just after each timed generate: the bound of
+                # the round reported takes the better of its own two probes. This VM's bus moves
+                # between states (33-36 and 52-63 GB/s probed within one run), so a probe of
+                # another round can describe a bus the reported steps never saw.
+                probes = []
+                mib = 64 if a.smoke else 256
                 for _ in range(rounds):
+                    before = roofline.read_bandwidth_now(mib)
                     t = tonp_run(model, prompts, a.new)
-                    probes.append(roofline.read_bandwidth_now(64 if a.smoke else 256))
+                    t["probes"] = [before, roofline.read_bandwidth_now(mib)]
+                    probes.append(t["probes"])
                     best_t = t if best_t is None or t["wall_s"] < best_t["wall_s"] else best_t
                     pre_t = min(pre_t, tonp_run(model, prompts, 1)["wall_s"])
                     if peer is not None:
@@ -272,7 +279,8 @@ def main(argv=None) -> dict:
                      "tonp_step_tok_s": b / best_t["step_s"],
                      "tonp_forward_s": best_t["forward_s"], "tonp_overhead_s":
                      best_t["overhead_s"], "tonp_e2e_tok_s": b * a.new / best_t["wall_s"],
-                     "read_GBs_probes": probes, "distinct_experts": routing_spread(model, prompts),
+                     "read_GBs_probes": probes, "read_GBs_round": best_t["probes"],
+                     "distinct_experts": routing_spread(model, prompts),
                      "tonp_batch_invariant": torch.equal(best_t["logprobs0"], ref_tonp),
                      "tonp_prefill_tok_s": b * a.prompt_len / pre_t}
                 if best_p is not None:
@@ -298,12 +306,13 @@ def main(argv=None) -> dict:
     for k in ("gemm_fp32_GFLOPs", "gemm_bf16_GFLOPs"):
         machine[k] = max(machine[k], end[k])
     for r in data["results"]:
-        bd = bound(cfg, machine, r["dtype"], r["batch"], context, max(r["read_GBs_probes"]),
+        bd = bound(cfg, machine, r["dtype"], r["batch"], context, max(r["read_GBs_round"]),
                    r["distinct_experts"])
-        r.update(bound=bd, read_GBs=max(r["read_GBs_probes"]),
+        r.update(bound=bd, read_GBs=max(r["read_GBs_round"]),
                  fraction_of_bound=bd["bound_s"] / r["tonp_step_s"],
                  fraction_of_coarse_bound=bd["coarse_bound_s"] / r["tonp_step_s"])
         rows.append([r["dtype"], r["batch"], fmt(r["tonp_step_tok_s"]), bd["kind"],
+                     " / ".join(f"{g:.0f}" for g in r["read_GBs_round"]),
                      f"{100 * r['fraction_of_bound']:.0f}%",
                      f"{100 * r['fraction_of_coarse_bound']:.0f}%",
                      f"{bd['distinct_experts']:.0f}",
@@ -315,7 +324,8 @@ def main(argv=None) -> dict:
                                r["tonp_prefill_tok_s"] / r["vllm_prefill_tok_s"]),
                      "yes" if r["tonp_batch_invariant"] else "NO",
                      str(r.get("vllm_differ_vs_batch1", "-"))])
-    head = ["dtype", "batch", "tonp decode tok/s", "bound", "of bound", "of whole-step bound",
+    head = ["dtype", "batch", "tonp decode tok/s", "bound", "read GB/s before / after",
+            "of bound", "of whole-step bound",
             "experts / layer", "engine overhead/step",
             "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp prefill tok/s",
             "vLLM prefill tok/s", "prefill tonp / vLLM", "tonp bits = batch 1",
@@ -331,7 +341,8 @@ def main(argv=None) -> dict:
           f"{busy_warning(meta)}\n\n" + md_table(head, rows) + "\n\n'of bound': the step's "
           "roofline over the measured decode step, op class by op class (dense linears, experts, "
           "attention's KV read, the rest), each at the larger of its bytes over the read "
-          "bandwidth (the best of the probes taken right after each timed generate) and its "
+          "bandwidth (the better of the two probes taken just before and just after the "
+          "reported round's generate, 'read GB/s') and its "
           "FLOPs over the dtype's GEMM rate (the better of the run's start and end); 'bound' "
           "says which binds (mixed: the experts stream while the dense linears compute). "
           "'of whole-step bound': the same over max(all bytes over the "

@@ -124,7 +124,8 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
         assert r["bound"]["kind"] in ("memory", "compute", "mixed") and 0 < r["fraction_of_bound"]
         assert r["fraction_of_coarse_bound"] <= r["fraction_of_bound"]
         assert 1 <= r["bound"]["distinct_experts"] <= data["config"]["num_experts"]
-        assert len(r["read_GBs_probes"]) == 1
+        assert len(r["read_GBs_probes"]) == 1 and r["read_GBs_round"] == r["read_GBs_probes"][0]
+        assert len(r["read_GBs_round"]) == 2 and r["read_GBs"] == max(r["read_GBs_round"])  # before, after
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
         assert r["tonp_prefill_tok_s"] > 0 and "vllm_prefill_tok_s" not in r
     md = (tmp_path / "decode_smoke.md").read_text()
