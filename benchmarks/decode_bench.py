@@ -17,7 +17,8 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     sampling: the Python overhead), reported apart;
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
     --peer, vLLM (`benchmarks/peer_vllm.py` in `.venv-vllm`), alternated round by round with the
-    idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio;
+    idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio, and the ratio of
+    their decode steps alone (each generate less the same prompts' 1-token generate);
   * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
     torch.equal; vLLM: the number of differing positions).
 Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}.
@@ -287,6 +288,12 @@ def main(argv=None) -> dict:
                     r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
                     r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
                     r["vllm_prefill_tok_s"] = b * a.prompt_len / pre_p
+                    # The decode steps alone: each engine's generate less its 1-token generate
+                    # (both best of the rounds), over the new - 1 steps after the first token.
+                    if a.new > 1:
+                        r["tonp_decode_steps_s"] = (best_t["wall_s"] - pre_t) / (a.new - 1)
+                        r["vllm_decode_steps_s"] = (best_p["wall_s"] - pre_p) / (a.new - 1)
+                        r["decode_tonp_over_vllm"] = r["vllm_decode_steps_s"] / r["tonp_decode_steps_s"]
                     r["vllm_differ_vs_batch1"] = sum(
                         x != y for x, y in zip(best_p["logprobs0"], ref_peer))
                 data["results"].append(r)
@@ -318,7 +325,8 @@ def main(argv=None) -> dict:
                      f"{bd['distinct_experts']:.0f}",
                      f"{1e3 * r['tonp_overhead_s']:.1f} ms",
                      fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
-                     fmt_ratio(r.get("tonp_over_vllm")), fmt(r["tonp_prefill_tok_s"]),
+                     fmt_ratio(r.get("tonp_over_vllm")), fmt_ratio(r.get("decode_tonp_over_vllm")),
+                     fmt(r["tonp_prefill_tok_s"]),
                      fmt(r.get("vllm_prefill_tok_s")),
                      fmt_ratio(r.get("vllm_prefill_tok_s") and
                                r["tonp_prefill_tok_s"] / r["vllm_prefill_tok_s"]),
@@ -327,7 +335,8 @@ def main(argv=None) -> dict:
     head = ["dtype", "batch", "tonp decode tok/s", "bound", "read GB/s before / after",
             "of bound", "of whole-step bound",
             "experts / layer", "engine overhead/step",
-            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp prefill tok/s",
+            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "decode steps tonp / vLLM",
+            "tonp prefill tok/s",
             "vLLM prefill tok/s", "prefill tonp / vLLM", "tonp bits = batch 1",
             f"vLLM logprobs differing from batch 1 (of {a.new})"]
     md = (f"# Batched decode\n\n{meta['date']}; {meta['cpu']}; kernel table **{meta['isa']}**; "
@@ -350,7 +359,9 @@ def main(argv=None) -> dict:
           "classes bind differently. 'experts / layer': distinct experts a decode step touched, "
           "counted through the probe seam (uniform routing: 8, 82, 126, 128). 'engine "
           "overhead': the median step's time outside the model's forward. e2e: generated tokens over one "
-          "generate call's wall time, prefill included, best of the rounds. prefill: prompt "
+          "generate call's wall time, prefill included, best of the rounds. 'decode steps': "
+          "each engine's generate less its 1-token generate, over the steps after the first "
+          "token (vLLM's time over tonp's). prefill: prompt "
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "
           "rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
