@@ -168,14 +168,15 @@ class LanePack {
 };
 
 // A bf16 x bf16 linear's rows packed in row pairs (Kernels::pack_pairs) for its dot products,
-// once per row block and read by all the block's panels; null where the table has no packing or
-// the block runs lane passes (the kernel then reads x in place or packs it itself).
+// once per row block and read by all the block's panels; null where the table has no packing,
+// the block is one row or it runs lane passes (the kernel then reads x in place). Sized for the
+// largest block that runs dot products (below kLaneRowsPairs rows).
 class PairPack {
  public:
   PairPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t chunks, int64_t kc)
       : kern_(kern), kc_(kc), xkc_(bf16_chunk_stride(kc)),
         on_(pairs && kern->pack_pairs && max_rows > 1),
-        buf_(scratch_floats(on_ ? pairs_floats(max_rows, chunks, xkc_) : 0)) {}
+        buf_(scratch_floats(on_ ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), chunks, xkc_) : 0)) {}
   const uint16_t* of(int64_t block, const uint16_t* x, int64_t ldx, int64_t rows, int chunks) {
     if (!on_ || !bf16_packs_pairs(rows, kc_)) return nullptr;
     uint16_t* xp = reinterpret_cast<uint16_t*>(buf_.get());
