@@ -68,7 +68,7 @@ static void hw_pack_pairs(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t r
 // x comes packed in row pairs (hw_pack_pairs; xp: the tile's first pair, P pairs in all, nb
 // blocks a chunk): a row pair is one load, and the weight block a broadcast from memory, so the
 // loop runs no shuffle (against reading x in place, two loads and an insert per pair, on the AMD
-// EPYC (Zen 4), one thread: 1.1-1.3x hot at 4-16 rows, 1.1-1.3x with cold weights at 4-8 and 16;
+// EPYC (Zen 4), one thread: 1.11-1.29x hot at 4-16 rows, 1.08-1.32x with cold weights at 4-8 and 16;
 // the experts' two stages with Poisson rows, 2 threads, a mean of 8 rows an expert: 1.03-1.26x).
 template <int MP, int NR>
 static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const uint16_t* w, int64_t ldw, int64_t kc,
