@@ -10,8 +10,9 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     step's roofline, op class by op class (roofline.decode_step_bound): dense linears, experts
     (the distinct experts the steps touched, counted through the probe seam), attention's KV
     read, each at the larger of its bytes over the read bandwidth (the better of the probes taken
-    just before and just after the reported round's generate) and its FLOPs over the dtype's best GEMM rate measured in this run (at
-    its start and end; fp32: MKL's or tonp's; bf16: stock torch's matmul or tonp's linear); also
+    just before and just after the reported round's generate) and its FLOPs over the dtype's best
+    GEMM rate measured in this run (at its start and end; fp32: MKL's or tonp's; bf16: stock
+    torch's matmul or tonp's linear); also
     against the whole step's max(bytes, FLOPs) bound, which a sequential forward cannot reach;
   * the engine's own time per step outside the model's forward (scheduling, input building,
     sampling: the Python overhead), reported apart;
