@@ -178,8 +178,7 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32));
-      LanePack lanes(kern, !pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
-      PairPack xpairs(kern, pairs, max_rows, chunks, kc);
+      XPack xpack(kern, pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
@@ -190,11 +189,11 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
           kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, xk, k.rows,
                                   reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
                                   scratch.get(),
-                                  xpairs.of(t / np, reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, k.rows, int(chunks)));
+                                  static_cast<const uint16_t*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))));
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
                              nullptr, ncols, o, N, xe, scratch.get(),
-                             lanes.of(t / np, reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, int(chunks)));
+                             static_cast<const float*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))));
       }
     });
   };

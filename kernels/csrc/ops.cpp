@@ -69,8 +69,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     const int64_t rows_max = std::min(rb, M);
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
                                               : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32));
-    LanePack lanes(kern, !pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
-    PairPack xpairs(kern, pairs, rows_max, chunks, kc);
+    XPack xpack(kern, pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
     for (int64_t t = begin; t < end; ++t) {
       // bf16 pairs: a panel's row blocks run one after another (its packed weights come from
       // L2 after the first); fp32: a row block's panels.
@@ -82,12 +81,14 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                                 reinterpret_cast<const uint16_t*>(wp) + p * pw * Kd, Kd, kc, int(chunks),
                                 bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N, oelem,
                                 scratch.get(),
-                                xpairs.of(mb, reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, rows, int(chunks)));
+                                static_cast<const uint16_t*>(
+                                    xpack.of(mb, reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, rows, int(chunks))));
       else
         kern->linear_panel(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, wp + p * pw * Kd * esz, Kd, welem,
                            kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
                            oelem, scratch.get(),
-                           lanes.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks)));
+                           static_cast<const float*>(
+                               xpack.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks))));
     }
   });
   return out;

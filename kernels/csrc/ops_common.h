@@ -94,7 +94,7 @@ at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
 // Per-thread scratch, kept between calls: a buffer of a few hundred KB to a few MB, allocated
 // fresh, is mapped anew by malloc and costs a page fault per 4 KB on first touch, on every call
 // whose shape differs from the last. Each thread keeps its few most recent buffers (a task holds
-// at most two at once: scratch and LanePack) and hands out the smallest one large enough.
+// at most two at once: scratch and XPack) and hands out the smallest one large enough.
 struct ScratchCache {
   static constexpr int kKeep = 3;
   std::pair<size_t, float*> idle[kKeep] = {};
@@ -142,51 +142,39 @@ inline Scratch scratch_floats(int64_t n) {
   return Scratch(p, ScratchFree{have});
 }
 
-// One thread's lane-packed x for linear_panel (Kernels::pack_lanes): a row block packed once and
-// kept for the panels that follow it. of(block, ...) returns the packing linear_panel takes for
-// that call (null where the call runs dot products), packing when
-// the block differs from the last one packed. Built for blocks of at most max_rows rows.
-class LanePack {
+// One thread's packed x for a linear's panels: a row block packed once, in the layout the
+// kernel reads for that block, and kept for the panels that follow it. fp32 arithmetic: lane-packed
+// where linear_panel runs lane passes (Kernels::pack_lanes); bf16 x bf16 pair chains: in row pairs
+// where linear_panel_bf16 runs dot products of two or more rows and the table packs them
+// (Kernels::pack_pairs). of(block, ...) returns the packing the call takes (null where the kernel
+// reads x in place), packing when the block differs from the last one packed. Built for blocks of
+// at most max_rows rows.
+class XPack {
  public:
-  LanePack(const Kernels* kern, bool fp32_lanes, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
-      : kern_(kern), kc_(kc), welem_(welem),
-        on_(fp32_lanes && linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
-        buf_(scratch_floats(on_ ? max_rows * K : 0)) {}
-  const float* of(int64_t block, const float* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)) return nullptr;
-    if (block != packed_) kern_->pack_lanes(x, ldx, rows, kc_, chunks, buf_.get()), packed_ = block;
+  XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
+      : kern_(kern), pairs_(pairs), kc_(kc), xkc_(bf16_chunk_stride(kc)), welem_(welem),
+        on_(pairs ? kern->pack_pairs && max_rows > 1 : linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
+        buf_(scratch_floats(!on_ ? 0
+                            : pairs ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), kc > 0 ? K / kc : 0, xkc_)
+                                    : max_rows * K)) {}
+  const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
+    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_) : linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
+      return nullptr;
+    if (block != packed_) {
+      if (pairs_)
+        kern_->pack_pairs(static_cast<const uint16_t*>(x), ldx, xkc_, rows, chunks, reinterpret_cast<uint16_t*>(buf_.get()));
+      else
+        kern_->pack_lanes(static_cast<const float*>(x), ldx, rows, kc_, chunks, buf_.get());
+      packed_ = block;
+    }
     return buf_.get();
   }
 
  private:
   const Kernels* kern_;
-  int64_t kc_;
-  Elem welem_;
-  bool on_;
-  Scratch buf_;
-  int64_t packed_ = -1;
-};
-
-// A bf16 x bf16 linear's rows packed in row pairs (Kernels::pack_pairs) for its dot products,
-// once per row block and read by all the block's panels; null where the table has no packing,
-// the block is one row or it runs lane passes (the kernel then reads x in place). Sized for the
-// largest block that runs dot products (below kLaneRowsPairs rows).
-class PairPack {
- public:
-  PairPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t chunks, int64_t kc)
-      : kern_(kern), kc_(kc), xkc_(bf16_chunk_stride(kc)),
-        on_(pairs && kern->pack_pairs && max_rows > 1),
-        buf_(scratch_floats(on_ ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), chunks, xkc_) : 0)) {}
-  const uint16_t* of(int64_t block, const uint16_t* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !bf16_packs_pairs(rows, kc_)) return nullptr;
-    uint16_t* xp = reinterpret_cast<uint16_t*>(buf_.get());
-    if (block != packed_) kern_->pack_pairs(x, ldx, xkc_, rows, chunks, xp), packed_ = block;
-    return xp;
-  }
-
- private:
-  const Kernels* kern_;
+  bool pairs_;
   int64_t kc_, xkc_;
+  Elem welem_;
   bool on_;
   Scratch buf_;
   int64_t packed_ = -1;
