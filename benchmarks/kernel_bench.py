@@ -11,9 +11,10 @@ Prints a markdown table and writes benchmarks/results/kernels.md and kernels.jso
     the L3 cache, as a model's layers do;
   * attention prefill (one causal sequence) and decode (one query per sequence against a paged
     cache) against torch SDPA.
-Each row says whether the kernel target is met: at M >= 512 tonp fp32 >= 70% and tonp
-bf16 >= 50% of torch fp32 GFLOP/s; at M = 1 >= 75% of the copy bandwidth over the weight bytes;
-decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
+Each row says whether the kernel target is met: at M >= 512 tonp fp32 >= 70% of torch fp32 (MKL)
+and tonp bf16 >= 70% of torch bf16 GFLOP/s (issue 29; where stock bf16 was skipped as too slow, the
+bf16 half is not judged and the row says so); at M = 1 >= 75% of the copy bandwidth over the
+weight bytes; decode attention no slower than SDPA. Timings: one warm-up, then the median of several repeats
 (fewer for slow calls, up to 300 for calls under a fifth of a millisecond). From M = 8 the torch
 fp32 and bf16 baselines and the two tonp runs are sampled in turn for about three seconds (at
 least --repeat rounds), so a load that drifts during the run falls on all of them alike. Stock
@@ -198,8 +199,10 @@ def linear_targets(r: dict, copy_gbs: float) -> dict:
     if r["torch_bf16"]:
         out["bf16_vs_torch_bf16"] = r["tonp_bf16"] / r["torch_bf16"]
     if r["M"] >= 512:
-        out["target"] = "fp32 >= 0.70x and bf16 >= 0.50x torch fp32"
-        out["met"] = out["fp32_vs_torch_fp32"] >= 0.70 and out["bf16_vs_torch_fp32"] >= 0.50
+        out["target"] = "fp32 >= 0.70x torch fp32 and bf16 >= 0.70x torch bf16"
+        out["met"] = out["fp32_vs_torch_fp32"] >= 0.70 and out.get("bf16_vs_torch_bf16", 1.0) >= 0.70
+        if "bf16_vs_torch_bf16" not in out:
+            out["met_note"] = "fp32 only (stock bf16 skipped)"
     elif r["M"] == 1:
         out["fp32_bw_frac"] = r["tonp_fp32_GBs"] / copy_gbs
         out["bf16_bw_frac"] = r["tonp_bf16_GBs"] / copy_gbs
@@ -275,7 +278,9 @@ def fmt(v, digits=1):
 
 
 def met(r):
-    return "" if "met" not in r else ("met" if r["met"] else "NOT met")
+    if "met" not in r:
+        return ""
+    return ("met" if r["met"] else "NOT met") + (f" ({r['met_note']})" if "met_note" in r else "")
 
 
 def markdown(linear_rows, attn_rows, meta) -> str:
