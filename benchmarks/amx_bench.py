@@ -17,7 +17,8 @@
    fp32 linear. GFLOP/s and the
    ratio to stock bf16.
 On a CPU with AVX-512F but no AMX (AMD EPYC) only part 2 runs, without the AMX contenders: the
-proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json}; `make bench` runs it
+proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json} on an AMX machine,
+amx_no_amx{,_quick}.{md,json} elsewhere (never over an AMX machine's record); `make bench` runs it
 where the CPU has AMX-BF16 or AVX-512F. CONTRACT.md ("AMX and the pair chains") reads them.
 """
 from __future__ import annotations
@@ -133,6 +134,12 @@ def throughput(repeat, max_s, with_amx):
     return md_table(["shape", "M x K x N", "contender", "GFLOP/s", "vs stock bf16", "vs MKL fp32"], rows), data
 
 
+def result_stem(has_amx: bool, quick: bool) -> str:
+    """amx{,_quick} on an AMX machine; amx_no_amx{,_quick} elsewhere (the AVX-512 prototype only),
+    so a run on another CPU never overwrites an AMX machine's measurements."""
+    return ("amx" if has_amx else "amx_no_amx") + ("_quick" if quick else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=200_000, help="outputs per numerics row")
@@ -176,7 +183,7 @@ def main(argv=None):
         "The prototypes are plain tile loops (AMX: 2 x 2 tiles; FMA: 4 rows x 32 columns) with no "
         "prefetching and a scalar chunk tree; both give the reference's bits (tests/test_amx.py).",
     ) if x)
-    paths = write_results(a.out, "amx_quick" if a.quick else "amx", md + "\n", {"meta": meta, "numerics": num, "throughput": thr})
+    paths = write_results(a.out, result_stem(has_amx, a.quick), md + "\n", {"meta": meta, "numerics": num, "throughput": thr})
     print(md)
     log("amx_bench: wrote " + ", ".join(str(p) for p in paths))
     return 0
