@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -227,6 +228,44 @@ def write_results(out_dir: Path, stem: str, md: str, data: dict) -> List[Path]:
     md_path.write_text(md)
     json_path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
     return [md_path, json_path]
+
+
+def machine_slug(meta: dict) -> str:
+    """A short name for the machine kind of a run's meta: intel_xeon, amd_epyc, ... with the
+    kernel table appended unless it is avx512bf16 (amd_epyc_avx2): the results' naming."""
+    cpu = str(meta.get("cpu", "")).lower()
+    vendor = ("intel_xeon" if "xeon" in cpu else "amd_epyc" if "epyc" in cpu else
+              "_".join(re.findall(r"[a-z0-9]+", cpu.split("(")[0])[:2]) or "cpu")
+    isa = str(meta.get("isa") or "")
+    return vendor + ("" if isa in ("", "avx512bf16") else "_" + isa)
+
+
+def _same_machine(path: Path, meta: dict) -> bool:
+    try:
+        old = json.loads(path.read_text()).get("meta", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return old.get("cpu") == meta.get("cpu") and old.get("isa") == meta.get("isa")
+
+
+def record_stem(out_dir: Path, stem: str, meta: dict) -> str:
+    """Where a machine's record of `stem` goes: `stem` itself unless `stem.json` holds another
+    machine's run (another CPU model or kernel table), then `stem_<machine_slug>`, then that
+    with the CPU's family and model: a run never overwrites another machine's record."""
+    slug = machine_slug(meta)
+    fm = re.search(r"family (\d+), model (\d+)", str(meta.get("cpu", "")))
+    names = [stem, f"{stem}_{slug}"] + ([f"{stem}_{slug}_f{fm[1]}m{fm[2]}"] if fm else [])
+    for name in names:
+        path = out_dir / f"{name}.json"
+        if not path.exists() or _same_machine(path, meta):
+            return name
+    return names[-1]
+
+
+def write_record(out_dir: Path, stem: str, md: str, data: dict) -> List[Path]:
+    """write_results under record_stem(out_dir, stem, data["meta"]) (per-machine records:
+    kernels, batched decode)."""
+    return write_results(out_dir, record_stem(out_dir, stem, data.get("meta", {})), md, data)
 
 
 def _json_default(o):

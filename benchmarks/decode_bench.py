@@ -22,7 +22,9 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     their decode steps alone (each generate less the same prompts' 1-token generate);
   * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
     torch.equal; vLLM: the number of differing positions).
-Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}.
+Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}, or decode_<machine>... where that file
+holds another machine's run (benchlib.record_stem: decode.md is the Intel Xeon's record,
+decode_amd_epyc.md the AMD EPYC's with AVX512-BF16).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import roofline  # noqa: E402
 from benchlib import (RESULTS_DIR, ForwardClock, busy_warning, fmt, fmt_ratio, log,  # noqa: E402
-                      machine_meta, md_table, write_results)
+                      machine_meta, md_table, write_record)
 
 import tonp_kernels as tk  # noqa: E402
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
@@ -366,8 +368,9 @@ def main(argv=None) -> dict:
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "
           "rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
-    write_results(a.out, stem, md, data)
+    paths = write_record(a.out, stem, md, data)  # never over another machine's record
     print(md)
+    log("decode_bench: wrote " + ", ".join(str(p) for p in paths))
     return data
 
 

@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_bench.py [--quick]
 
-Prints a markdown table and writes benchmarks/results/kernels.md and kernels.json:
+Prints a markdown table and writes benchmarks/results/kernels.md and kernels.json (kernels_<machine>
+where kernels.json holds another machine's run: benchlib.record_stem):
   * linear GFLOP/s for Qwen3-30B-A3B shapes (hidden 2048: qkv/o/router/expert projections) at
     M = 1, 8, 64, 512, 2048: tonp fp32 and tonp bf16 (bf16 weights and activations) against torch
     fp32 (MKL) and torch bf16, each measured in the same run;
@@ -24,7 +25,6 @@ call would take longer than --max-call-s (the table says so).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import tonp_kernels as tk
 from tonp_kernels import stock
 
-from benchlib import cpu_flags, cpu_name, kernel_isa  # benchmarks/ is on sys.path when run as a script
+from benchlib import cpu_flags, cpu_name, kernel_isa, write_record  # benchmarks/ is on sys.path when run as a script
 
 LINEAR_SHAPES = (  # (name, K, N)
     ("qkv/o 2048->4096", 2048, 4096),
@@ -366,12 +366,9 @@ def main():
     meta["load_after"] = os.getloadavg()[0]
     md = markdown(linear_rows, attn_rows, meta)
     print("\n" + md)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "kernels_quick" if args.quick else "kernels"
-    (args.out / f"{stem}.md").write_text(md)
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"meta": meta, "linear": linear_rows, "attention": attn_rows}, indent=1))
-    print(f"wrote {args.out / stem}.md and .json")
+    paths = write_record(args.out, stem, md, {"meta": meta, "linear": linear_rows, "attention": attn_rows})
+    print("wrote " + ", ".join(str(p) for p in paths))  # never over another machine's record
 
 
 if __name__ == "__main__":

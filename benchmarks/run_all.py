@@ -31,7 +31,7 @@ import model_bench as mb  # noqa: E402
 import roofline  # noqa: E402
 import tonp_kernels.amx as amx  # noqa: E402
 from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
-                    md_table, write_results)
+                    md_table, record_stem, write_results)
 
 BYTES = {"fp32": 4, "bf16": 2}
 METRICS = ("decode_b1", "decode_b16", "prefill", "train")
@@ -345,7 +345,8 @@ def main(argv=None) -> dict:
     if mode != "smoke":
         if not args.skip_kernels:
             k = run_peer("kernel_bench.py", [] if args.kernels_full else ["--quick"],
-                         "kernels.md" if args.kernels_full else "kernels_quick.md", 1200)
+                         record_stem(RESULTS_DIR, "kernels" if args.kernels_full else "kernels_quick",
+                                     meta) + ".md", 1200)
             extra += [("Kernels (benchmarks/kernel_bench.py)", k[1])] if k else []
         if not args.skip_collectives:
             c = run_peer("collectives.py", ["--quick"], "collectives.md", 900)
@@ -365,7 +366,8 @@ def main(argv=None) -> dict:
         if not args.skip_decode:      # vLLM's CPU build as the peer where `make peer-vllm` ran
             d = run_peer("decode_bench.py", ["--peer"] if mode == "full" else
                          ["--quick", "--peer", "--peer-eager"],
-                         "decode.md" if mode == "full" else "decode_quick.md", 3600)
+                         record_stem(RESULTS_DIR, "decode" if mode == "full" else "decode_quick", meta)
+                         + ".md", 3600)
             extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
         if not args.skip_amx and (amx.available() or "avx512f" in meta["cpu_flags"]):
             x = run_peer("amx_bench.py", [] if mode == "full" else ["--quick"],

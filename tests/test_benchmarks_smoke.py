@@ -155,3 +155,28 @@ def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
         assert "tdpbf16ps" in (tmp_path / "amx.md").read_text()
     else:
         assert not data["numerics"] and "AMX block chains" not in contenders
+
+
+def test_a_run_never_overwrites_another_machines_record(tmp_path):
+    """benchlib.record_stem: kernel_bench and decode_bench write `stem` unless its json holds
+    another machine's run (another CPU model or kernel table), then `stem_<machine>`, then that
+    with the CPU's family and model."""
+    from benchlib import machine_slug, record_stem, write_record
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "isa": "avx512bf16"}
+    zen4 = {"cpu": "AMD EPYC (family 25, model 17)", "isa": "avx512bf16"}
+    zen4_avx2 = {"cpu": "AMD EPYC (family 25, model 17)", "isa": "avx2"}
+    zen5 = {"cpu": "AMD EPYC (family 26, model 2)", "isa": "avx512bf16"}
+    assert [machine_slug(m) for m in (intel, zen4, zen4_avx2)] == ["intel_xeon", "amd_epyc", "amd_epyc_avx2"]
+    assert record_stem(tmp_path, "decode", zen4) == "decode"                  # nothing there yet
+    write_record(tmp_path, "decode", "intel\n", {"meta": intel})
+    assert record_stem(tmp_path, "decode", intel) == "decode"                 # its own record
+    assert record_stem(tmp_path, "decode", zen4) == "decode_amd_epyc"
+    assert record_stem(tmp_path, "decode", zen4_avx2) == "decode_amd_epyc_avx2"
+    write_record(tmp_path, "decode", "zen4\n", {"meta": zen4})
+    assert (tmp_path / "decode.md").read_text() == "intel\n"                  # kept
+    assert json.loads((tmp_path / "decode_amd_epyc.json").read_text())["meta"] == zen4
+    assert record_stem(tmp_path, "decode", zen5) == "decode_amd_epyc_f26m2"
+    write_record(tmp_path, "decode", "zen4 again\n", {"meta": zen4})
+    assert (tmp_path / "decode_amd_epyc.md").read_text() == "zen4 again\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decode.json", "decode.md", "decode_amd_epyc.json", "decode_amd_epyc.md"]
