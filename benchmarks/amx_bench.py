@@ -17,8 +17,9 @@
    fp32 linear. GFLOP/s and the
    ratio to stock bf16.
 On a CPU with AVX-512F but no AMX (AMD EPYC) only part 2 runs, without the AMX contenders: the
-proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json} on an AMX machine,
-amx_no_amx{,_quick}.{md,json} elsewhere (never over an AMX machine's record); `make bench` runs it
+proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json}, or amx_<machine>... where
+that file holds another machine's run (benchlib.record_stem: amx.md is the Intel Xeon's record);
+`make bench` runs it
 where the CPU has AMX-BF16 or AVX-512F. CONTRACT.md ("AMX and the pair chains") reads them.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tonp_kernels as tk  # noqa: E402
 import tonp_kernels.amx as amx  # noqa: E402
 from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta, md_table,  # noqa: E402
-                      timeit_interleaved, write_results)
+                      timeit_interleaved, write_record)
 
 SHAPES = [("gate_up / q_proj, prefill", 512, 2048, 6144), ("q_proj, batch 128", 128, 2048, 4096),
           ("expert gate_up, 16 rows", 16, 2048, 1536), ("expert down, 16 rows", 16, 768, 2048),
@@ -134,12 +135,6 @@ def throughput(repeat, max_s, with_amx):
     return md_table(["shape", "M x K x N", "contender", "GFLOP/s", "vs stock bf16", "vs MKL fp32"], rows), data
 
 
-def result_stem(has_amx: bool, quick: bool) -> str:
-    """amx{,_quick} on an AMX machine; amx_no_amx{,_quick} elsewhere (the AVX-512 prototype only),
-    so a run on another CPU never overwrites an AMX machine's measurements."""
-    return ("amx" if has_amx else "amx_no_amx") + ("_quick" if quick else "")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=200_000, help="outputs per numerics row")
@@ -183,7 +178,8 @@ def main(argv=None):
         "The prototypes are plain tile loops (AMX: 2 x 2 tiles; FMA: 4 rows x 32 columns) with no "
         "prefetching and a scalar chunk tree; both give the reference's bits (tests/test_amx.py).",
     ) if x)
-    paths = write_results(a.out, result_stem(has_amx, a.quick), md + "\n", {"meta": meta, "numerics": num, "throughput": thr})
+    paths = write_record(a.out, "amx_quick" if a.quick else "amx", md + "\n",
+                         {"meta": meta, "numerics": num, "throughput": thr})
     print(md)
     log("amx_bench: wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
 
-import amx_bench  # noqa: E402
 import model_bench as mb  # noqa: E402
 import roofline  # noqa: E402
 import tonp_kernels.amx as amx  # noqa: E402
@@ -371,7 +370,8 @@ def main(argv=None) -> dict:
             extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
         if not args.skip_amx and (amx.available() or "avx512f" in meta["cpu_flags"]):
             x = run_peer("amx_bench.py", [] if mode == "full" else ["--quick"],
-                         amx_bench.result_stem(amx.available(), mode != "full") + ".md", 1200)
+                         record_stem(RESULTS_DIR, "amx" if mode == "full" else "amx_quick", meta) + ".md",
+                         1200)
             extra += [("AMX-BF16 (benchmarks/amx_bench.py)", x[1])] if x else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
