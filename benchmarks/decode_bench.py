@@ -19,7 +19,9 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
     --peer, vLLM (`benchmarks/peer_vllm.py` in `.venv-vllm`), alternated round by round with the
     idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio, and the ratio of
-    their decode steps alone (each generate less the same prompts' 1-token generate);
+    their decode steps alone (each generate less the same prompts' 1-token generate), with the
+    read bandwidth probed around each engine's round (a ratio of rounds on buses more than 20%
+    apart is marked);
   * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
     torch.equal; vLLM: the number of differing positions).
 Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}, or decode_<machine>... where that file
@@ -189,6 +191,15 @@ def bf16_gemm_GFLOPs(size: str) -> dict:
             "gemm_bf16_tonp_GFLOPs": own}
 
 
+def bus_mark(r: dict) -> str:
+    """'*' where the reported tonp and vLLM rounds ran on buses more than 20% apart (the better
+    probe around each): their ratio then measures the bus as much as the engines."""
+    if "vllm_read_GBs_round" not in r:
+        return ""
+    t, v = max(r["read_GBs_round"]), max(r["vllm_read_GBs_round"])
+    return "*" if max(t, v) > 1.2 * min(t, v) else ""
+
+
 def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float,
           distinct_experts: Optional[float]) -> dict:
     """The step's roofline, op class by op class (roofline.decode_step_bound): the sum of each
@@ -273,7 +284,9 @@ def main(argv=None) -> dict:
                     best_t = t if best_t is None or t["wall_s"] < best_t["wall_s"] else best_t
                     pre_t = min(pre_t, tonp_run(model, prompts, 1)["wall_s"])
                     if peer is not None:
+                        before = roofline.read_bandwidth_now(mib)
                         p = peer.run(prompts, a.new)
+                        p["probes"] = [before, roofline.read_bandwidth_now(mib)]
                         best_p = p if best_p is None or p["wall_s"] < best_p["wall_s"] else best_p
                         pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
                 if b == batches[0]:
@@ -289,6 +302,7 @@ def main(argv=None) -> dict:
                      "tonp_prefill_tok_s": b * a.prompt_len / pre_t}
                 if best_p is not None:
                     r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
+                    r["vllm_read_GBs_round"] = best_p["probes"]
                     r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
                     r["vllm_prefill_tok_s"] = b * a.prompt_len / pre_p
                     # The decode steps alone: each engine's generate less its 1-token generate
@@ -323,12 +337,14 @@ def main(argv=None) -> dict:
                  fraction_of_coarse_bound=bd["coarse_bound_s"] / r["tonp_step_s"])
         rows.append([r["dtype"], r["batch"], fmt(r["tonp_step_tok_s"]), bd["kind"],
                      " / ".join(f"{g:.0f}" for g in r["read_GBs_round"]),
+                     " / ".join(f"{g:.0f}" for g in r.get("vllm_read_GBs_round", [])) or "-",
                      f"{100 * r['fraction_of_bound']:.0f}%",
                      f"{100 * r['fraction_of_coarse_bound']:.0f}%",
                      f"{bd['distinct_experts']:.0f}",
                      f"{1e3 * r['tonp_overhead_s']:.1f} ms",
                      fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
-                     fmt_ratio(r.get("tonp_over_vllm")), fmt_ratio(r.get("decode_tonp_over_vllm")),
+                     fmt_ratio(r.get("tonp_over_vllm")) + bus_mark(r),
+                     fmt_ratio(r.get("decode_tonp_over_vllm")) + bus_mark(r),
                      fmt(r["tonp_prefill_tok_s"]),
                      fmt(r.get("vllm_prefill_tok_s")),
                      fmt_ratio(r.get("vllm_prefill_tok_s") and
@@ -336,6 +352,7 @@ def main(argv=None) -> dict:
                      "yes" if r["tonp_batch_invariant"] else "NO",
                      str(r.get("vllm_differ_vs_batch1", "-"))])
     head = ["dtype", "batch", "tonp decode tok/s", "bound", "read GB/s before / after",
+            "read GB/s around vLLM's round",
             "of bound", "of whole-step bound",
             "experts / layer", "engine overhead/step",
             "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "decode steps tonp / vLLM",
@@ -364,7 +381,9 @@ def main(argv=None) -> dict:
           "overhead': the median step's time outside the model's forward. e2e: generated tokens over one "
           "generate call's wall time, prefill included, best of the rounds. 'decode steps': "
           "each engine's generate less its 1-token generate, over the steps after the first "
-          "token (vLLM's time over tonp's). prefill: prompt "
+          "token (vLLM's time over tonp's); a ratio marked * compares rounds whose buses "
+          "differed by more than 20% (the better probe around each engine's reported round: "
+          "this VM's read bandwidth moves between about 33 and 60 GB/s). prefill: prompt "
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "
           "rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
