@@ -344,8 +344,8 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
   for (int64_t i = 0; i < cstride; ++i) res[i] = pbuf[i];
 }
 
-// bf16 weights are widened to fp32 as they are loaded (exact), so they cost half the bytes.
-// Two rows or more: four weight rows at a time (a column group), every row tile of the block on
+// The dot products (bf16 weights are widened to fp32 as they are loaded, exactly, so they cost half
+// the bytes). One row: dot_row_panel. Two rows or more: four weight rows at a time (a column group), every row tile of the block on
 // them before the next group, so a weight row comes from memory once and back from L1 or L2 for
 // the other row tiles while the next groups' rows are prefetched. Row tiles outer and the panel
 // inner, as before, streamed the whole panel for the first row tile and then computed the others
