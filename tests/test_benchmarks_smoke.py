@@ -133,6 +133,19 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
     assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md
 
 
+def test_decode_bench_marks_a_ratio_whose_rounds_saw_different_buses():
+    """A tonp / vLLM ratio is marked when the better probe around tonp's reported round and the
+    one around vLLM's differ by more than 20% (this VM's bus moves between about 35 and 60 GB/s):
+    such a ratio measures the bus as much as the engines. No peer: no mark."""
+    import decode_bench
+    mark = decode_bench.bus_mark
+    assert mark({"read_GBs_round": [36.0, 35.0]}) == ""
+    assert mark({"read_GBs_round": [36.0, 35.0], "vllm_read_GBs_round": [35.0, 54.0]}) == "*"
+    assert mark({"read_GBs_round": [55.0, 54.0], "vllm_read_GBs_round": [34.0, 36.0]}) == "*"
+    assert mark({"read_GBs_round": [55.0, 56.0], "vllm_read_GBs_round": [53.0, 54.0]}) == ""
+    assert mark({"read_GBs_round": [40.0, 30.0], "vllm_read_GBs_round": [47.0, 20.0]}) == ""  # 47 < 1.2 * 40
+
+
 @pytest.mark.timeout(300)
 def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
     """benchmarks/amx_bench.py with a few samples and one round: on an AMX machine the measured
