@@ -47,6 +47,24 @@ def test_row_invariance_at_k2048_and_fp32_output(dtype, gen):
                              lambda n: [randn(n, K, dtype=dtype, gen=gen)], M, seed=M)
 
 
+@pytest.mark.parametrize("wdtype", (torch.float32, torch.bfloat16))
+def test_fp32_dot_tiles_at_every_edge_column_group(wdtype, gen):
+    """The fp32 dot products run four weight rows at a time with every row tile on them; a
+    panel's last group can be 1, 2 or 3 columns wide (N = 17, 18, 35: edge panels of 1, 2, 3) and
+    the last row tile 1-3 rows (the AVX-512 build's tiles take 4, the others 3). Each row's bits
+    equal the row alone, among other rows, and the portable build's."""
+    K = 256
+    for N in (17, 18, 35):
+        w = randn(N, K, dtype=wdtype, gen=gen, scale=K ** -0.5)
+        for M in (2, 5, 6, 7, 13):
+            check_row_invariance(lambda x: tk.linear(x, w, out_dtype=torch.float32),
+                                 lambda n: [randn(n, K, dtype=torch.float32, gen=gen)], M, seed=M)
+        x = randn(13, K, dtype=torch.float32, gen=gen)
+        with env("TONP_FORCE_PORTABLE", "1"):
+            portable = tk.linear(x, w, out_dtype=torch.float32)
+        assert_bitwise(tk.linear(x, w, out_dtype=torch.float32), portable, f"N={N} native vs portable")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_invariance_with_short_chunks(dtype, gen):
     """Chunks of 3, 5, 8, 12 and 13 elements (K = 24 .. 104 at C = 8): the dot products (1 and
