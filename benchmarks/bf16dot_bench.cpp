@@ -65,7 +65,7 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
       uint16_t* o = out.data() + r0 * N + p * pw;
       if (pairs)
         k->linear_panel_bf16(xb.data() + r0 * K, K, kc, rows, w.data() + p * pw * K, K, kc, chunks, nullptr, ncols, o,
-                             N, Elem::BF16, scratch.get(), in_pairs ? xpp : nullptr);
+                             N, Elem::BF16, scratch.get(), in_pairs ? xpp : nullptr, nullptr);
       else
         k->linear_panel(xf.data() + r0 * K, K, rows, w.data() + p * pw * K, K, Elem::BF16, kc, chunks, nullptr, ncols,
                         o, N, Elem::BF16, scratch.get(), lanes_packed ? xl.get() : nullptr);

@@ -63,7 +63,8 @@ def moe_combine(weights, expert_out):
     return expert_out.new_empty((expert_out.shape[0], expert_out.shape[2]))
 
 
-def moe_experts(x, expert_ids, gate_up, down, first_expert, chunks):
+def moe_experts(x, expert_ids, gate_up, down, first_expert, chunks, gate_up_groups=None,
+                down_groups=None):
     return x.new_empty((x.shape[0], expert_ids.shape[1], x.shape[1]))
 
 

@@ -42,7 +42,8 @@ attention_varlen = _ATTENTION_VARLEN   # (q, k, v, cu_seqlens, scale, block)
 attention_paged = _ATTENTION_PAGED     # (q, k_cache, v_cache, page_table, q_seq, q_pos, scale)
 rope = _ROPE                           # (x, cos, sin, positions)
 moe_route = _MOE_ROUTE                 # (router_logits [M, E], top_k, normalize)
-moe_experts = _MOE_EXPERTS             # (x, expert_ids, gate_up, down, first_expert, chunks)
+moe_experts = _MOE_EXPERTS             # (x, expert_ids, gate_up, down, first_expert, chunks,
+#                                         gate_up_groups, down_groups)
 
 
 def moe_combine(weights, expert_out):

@@ -146,7 +146,8 @@ def moe_combine(weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, first_expert: int = 0,
-                chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+                chunks: int = DEFAULT_CHUNKS, gate_up_groups: Optional[torch.Tensor] = None,
+                down_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every (token, slot) through its SwiGLU expert, all experts in one call.
 
     x [M, H]; expert_ids int64 [M, K] (global ids, all in [first_expert, first_expert + E));
@@ -154,9 +155,33 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     y[m, k] = down_e(silu(gate_e(x[m])) * up_e(x[m])), e = expert_ids[m, k] - first_expert.
     Invariant mode: bit for bit what `linear`, `silu_mul` and `linear` give for that row alone,
     so a row's output never depends on how many rows its expert received.
+    gate_up_groups / down_groups: `pack_weight_groups(gate_up / down, chunks)`, a copy of these
+    weights the caller keeps (and remakes whenever the weights change): the CPU kernels' one-row
+    tiles read it as one stream. The same bits with or without; other backends ignore it.
     """
     op = "moe_experts"
     first_expert = check.integer(first_expert, op=op, name="first_expert")
     chunks = check.integer(chunks, op=op, name="chunks")
-    return impl(op, x, expert_ids, gate_up, down)(x, expert_ids, gate_up, down, first_expert,
-                                                  chunks)
+    fn = impl(op, x, expert_ids, gate_up, down)
+    if gate_up_groups is None and down_groups is None:
+        return fn(x, expert_ids, gate_up, down, first_expert, chunks)
+    return fn(x, expert_ids, gate_up, down, first_expert, chunks, gate_up_groups, down_groups)
+
+
+def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
+                       ) -> Optional[torch.Tensor]:
+    """A bf16 weight [..., N, K] (an expert stack [E, N, K] too) copied into column groups for
+    the CPU kernels' one-row tiles (moe_experts' gate_up_groups / down_groups), or None where
+    this process's kernels read none (only the AVX512-BF16 build does) or the weight is not
+    bf16: then nothing is gained, and no memory spent. An exact copy of the bytes, the same size
+    as the weight (whole groups of 8 columns; chunks zero padded to 16 elements); the caller
+    owns it and must remake it when the weight changes (the kernels cannot tell a stale copy).
+    """
+    chunks = check.integer(chunks, op="pack_weight_groups", name="chunks")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"tonp.pack_weight_groups: expected a tensor, got {type(weight).__name__}")
+    if weight.device.type != "cpu":
+        return None  # the column groups serve the CPU kernels only
+    with torch.no_grad():
+        g = torch.ops.tonp.pack_weight_groups(weight.detach(), chunks)
+    return g if g.numel() else None

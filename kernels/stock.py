@@ -145,8 +145,10 @@ def moe_combine(weights, expert_out):
     return (weights.to(expert_out.dtype).unsqueeze(-1) * expert_out).sum(1)
 
 
-def moe_experts(x, expert_ids, gate_up, down, first_expert=0, chunks=None):
-    """Per expert: F.linear -> silu * up -> F.linear on the rows routed to it (as transformers)."""
+def moe_experts(x, expert_ids, gate_up, down, first_expert=0, chunks=None, gate_up_groups=None,
+                down_groups=None):
+    """Per expert: F.linear -> silu * up -> F.linear on the rows routed to it (as transformers).
+    The column groups (the CPU kernels' copy of the weights) are not read here."""
     opcheck.moe_experts(x, expert_ids, gate_up, down, first_expert, chunks)
     gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)  # mixed dtypes, as the kernels take
     M, K = expert_ids.shape

@@ -21,12 +21,12 @@ from .rowwise import silu_mul_rows
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, first_expert: int = 0, chunks: int = 8, *,
-                gate_up_rows: bool = False):
+                down: torch.Tensor, first_expert: int = 0, chunks: int = 8,
+                gate_up_groups=None, down_groups=None, *, gate_up_rows: bool = False):
     """Fast numerics of tonp_kernels.moe_experts: x [M, H], expert_ids int64 [M, K], gate_up
     [E, 2I, H], down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert
     ids[m, k] - first_expert). gate_up_rows: (y, the gate_up rows [M K, 2I] in expert-group
-    order), as the exact kernel's."""
+    order), as the exact kernel's. The CPU kernels' column groups are not read here."""
     opcheck.moe_experts(x, expert_ids, gate_up, down, first_expert, chunks)
     check_device("moe_experts", x, expert_ids, gate_up, down)
     M, H = x.shape

@@ -100,13 +100,14 @@ def _expert_tiles(e: torch.Tensor, E: int, BM: int) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, first_expert: int = 0, chunks: int = 8, *,
-                pairs=None, gate_up_rows: bool = False):
+                down: torch.Tensor, first_expert: int = 0, chunks: int = 8,
+                gate_up_groups=None, down_groups=None, *, pairs=None, gate_up_rows: bool = False):
     """torch.ops.tonp.moe_experts's bits: x [M, H], expert_ids int64 [M, K], gate_up [E, 2I, H],
     down [E, H, I] -> y [M, K, H] in x.dtype (row (m, k) through expert ids[m, k] - first).
     pairs: as linear's (the bf16 x bf16 pair chains forced on or off; None: as the C++ build).
     gate_up_rows: (y, the gate_up rows [M K, 2I] in expert-group order), moe_experts_train's
-    outputs (the rows the experts' backward reads)."""
+    outputs (the rows the experts' backward reads). gate_up_groups / down_groups: the CPU
+    kernels' column groups of the weights (tonp_kernels.pack_weight_groups), not read here."""
     op = "moe_experts"
     if x.dim() != 2:
         raise ValueError(f"tonp.{op}: x must be [M, H], got {tuple(x.shape)}")

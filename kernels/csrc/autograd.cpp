@@ -36,7 +36,8 @@ using RmsSig = Tensor(const Tensor&, const Tensor&, double);
 using SiluSig = Tensor(const Tensor&, const Tensor&);
 using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const Tensor&);
-using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using ExpertsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                          const std::optional<Tensor>&, const std::optional<Tensor>&);
 using RopeSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using LinearBwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>,
                                                         std::optional<at::ScalarType>);
@@ -220,11 +221,14 @@ struct MoeExpertsFn : torch::autograd::Function<MoeExpertsFn> {
   }
 };
 
+// gate_up_groups / down_groups (a caller's column groups of the weights): the inference forward
+// reads them; the training forward reads the weights in place (the same bits).
 Tensor moe_experts_ad(const Tensor& x, const Tensor& ids, const Tensor& gate_up, const Tensor& down, int64_t first_expert,
-                      int64_t chunks) {
+                      int64_t chunks, const std::optional<Tensor>& gate_up_groups,
+                      const std::optional<Tensor>& down_groups) {
   if (!any_requires_grad({&x, &gate_up, &down})) {
     static const Below<ExpertsSig> k("tonp::moe_experts");
-    return k(x, ids, gate_up, down, first_expert, chunks);
+    return k(x, ids, gate_up, down, first_expert, chunks, gate_up_groups, down_groups);
   }
   return MoeExpertsFn::apply(x, ids, gate_up, down, first_expert, chunks);
 }

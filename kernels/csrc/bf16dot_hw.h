@@ -15,25 +15,42 @@ static inline __m256 hw_step(__m256 acc, __m256i a, __m256i b) {
   return _mm256_dpbf16_ps(acc, reinterpret_cast<__m256bh&>(a), reinterpret_cast<__m256bh&>(b));
 }
 
+// Where a tile finds its weights: column n's block b of chunk c (its elements c * kc + 16 * b
+// .. + 16) at w + c * lc + n * ln + b * lb. In place (a row of W per column): lc = kc, ln = ldw,
+// lb = 16. In a weight group (kernels.h kGroupCols): lc = 16 * kGroupCols * blocks a chunk,
+// ln = 16, lb = 16 * kGroupCols, so a one-row tile's eight columns are one stream. Only
+// addresses differ: every output meets the same blocks in the same steps.
+struct WWalk {
+  int64_t lc, ln, lb;
+  static WWalk in_place(int64_t ldw, int64_t kc) { return {kc, ldw, 16}; }
+  static WWalk group(int64_t kc) {
+    return {16 * tonp::kGroupCols * ((kc + 15) / 16), 16, 16 * tonp::kGroupCols};
+  }
+};
+
 // Few rows: an MR x NR tile, each output's eight lanes in one ymm (the same lanes as bf16dot.h).
-// prefetch_ahead: weight rows past the tile's to fetch at each k (the next tile's: a weight row
-// is a page or two, too short for the hardware streams to ramp up; a hint, no arithmetic).
+// prefetch_ahead: columns past the tile's whose weights to fetch at each k (the next tile's: in
+// place a weight row is a page or two, too short for the hardware streams to ramp up; a hint, no
+// arithmetic). A weight group is one stream the hardware follows: no prefetch (one added nothing
+// there, measured as the group layout was).
 template <int MR, int NR>
-static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, int64_t ldw, int64_t kc,
+static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, WWalk ww, int64_t kc,
                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead) {
   constexpr int NT = MR * NR;
   float part[tonp::kMaxChunks][NT];
   for (int c = 0; c < chunks; ++c) {
     __m256 acc[NT];
     for (int i = 0; i < NT; ++i) acc[i] = _mm256_setzero_ps();
+    const uint16_t* wc = w + c * ww.lc;
     for (int64_t k = 0; k < kc; k += 16) {
+      const uint16_t* wk = wc + (k / 16) * ww.lb;
       if (prefetch_ahead && (k & 31) == 0)  // once per cache line; integer addresses (never faults)
         for (int n = 0; n < NR; ++n)
-          prefetch_w(reinterpret_cast<uintptr_t>(w) + 2 * uintptr_t((n + prefetch_ahead) * ldw + c * kc + k));
+          prefetch_w(reinterpret_cast<uintptr_t>(wk) + 2 * uintptr_t((n + prefetch_ahead) * ww.ln));
       __m256i xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * ldx + c * xkc + k));
       for (int n = 0; n < NR; ++n) {
-        const __m256i wv = hw_block16(w + n * ldw + c * kc + k, kc - k);
+        const __m256i wv = hw_block16(wk + n * ww.ln, kc - k);
         for (int r = 0; r < MR; ++r) acc[r * NR + n] = hw_step(acc[r * NR + n], xv[r], wv);
       }
     }
@@ -149,16 +166,24 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
 
 // All ncols <= kPanelPairs columns (out: [rows, kPanelPairs]): one row (x in place; MP = 0), or
 // 2 * MP rows over x in row pairs. Each tile prefetches the next tile's weight rows (the panel's
-// last tile: rows past it, the next panel's or past W).
+// last tile: rows past it, the next panel's or past W). wg: these columns' weight group (one row,
+// ncols == kGroupCols) or null.
 template <int MP>
 static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* xp, int64_t P, int64_t nb,
-                               const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out) {
+                               const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
+                               const uint16_t* wg) {
   constexpr int64_t ld = tonp::kPanelPairs;
+  const WWalk in_place = WWalk::in_place(ldw, kc);
   int n = 0;
   if constexpr (MP == 0) {
-    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 8);
-    for (; n + 4 <= ncols; n += 4) hw_dot_tile<1, 4>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 4);
-    for (; n < ncols; ++n) hw_dot_tile<1, 1>(x, ldx, xkc, w + n * ldw, ldw, kc, chunks, out + n, ld, 0);
+    static_assert(tonp::kGroupCols == 8, "a weight group is one hw_dot_tile<1, 8>");
+    if (wg && ncols == tonp::kGroupCols) {
+      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WWalk::group(kc), kc, chunks, out, ld, 0);
+      return;
+    }
+    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 8);
+    for (; n + 4 <= ncols; n += 4) hw_dot_tile<1, 4>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
+    for (; n < ncols; ++n) hw_dot_tile<1, 1>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
   } else {
     for (; n + 4 <= ncols; n += 4) hw_dot_tile2<MP, 4>(xp, P, nb, w + n * ldw, ldw, kc, chunks, out + n, ld, 4);
     for (; n < ncols; ++n) hw_dot_tile2<MP, 1>(xp, P, nb, w + n * ldw, ldw, kc, chunks, out + n, ld, 0);
@@ -331,7 +356,8 @@ static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t
 // ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns).
 static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                                  int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
-                                 int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs) {
+                                 int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs,
+                                 const uint16_t* wgroups) {
   IeeeScope ieee;  // the trees' adds
   constexpr int64_t WP = tonp::kPanelPairs;
   if (tonp::bf16_lane_passes(rows, kc, true)) {
@@ -348,10 +374,15 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
   for (int n0 = 0; n0 < ncols; n0 += 8) {
     const int nc = std::min(8, ncols - n0);
     const uint16_t* w = W + n0 * ldw;
+    // Weight groups serve a lone row only: with more rows the row tiles read these columns in
+    // place, and the odd row's tile finds them in L1 there (the group would be a second read).
+    const uint16_t* wg = wgroups && rows == 1
+                             ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks)
+                             : nullptr;
     int64_t r = 0;
     auto tile = [&](auto mr) {
       hw_dot_cols<mr() / 2>(x + r * ldx, ldx, xkc, xp ? xp + (r / 2) * 32 : nullptr, P, nb, w, ldw, kc, chunks, nc,
-                            res + r * WP + n0);
+                            res + r * WP + n0, wg);
       r += mr();
     };
     while (rows - r >= 8) tile(std::integral_constant<int, 8>());

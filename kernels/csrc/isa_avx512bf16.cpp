@@ -69,6 +69,7 @@ const Kernels* kernels_avx512bf16() {
     t.row_block_f32 = tonp::kRowBlockZmm;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
+    t.weight_groups = true;  // its one-row tiles read weight groups (kGroupCols)
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;
     t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;

@@ -94,6 +94,20 @@ inline int64_t bf16_row_block(int64_t M) {
 inline bool bf16_packs_pairs(int64_t rows, int64_t kc) { return rows > 1 && !bf16_lane_passes(rows, kc, true); }
 inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc; }
 
+// A bf16 weight's columns in groups of kGroupCols for the one-row dot tiles (bf16dot_hw.h): group
+// g holds columns kGroupCols * g + j, j < kGroupCols, as [chunk c][block b][j][16] bf16, block b of
+// chunk c being the column's elements c * kc + 16 * b .. + 16 (zero past kc). A one-row tile reads
+// its eight columns' blocks side by side: one stream of the group's bytes, where in place it reads
+// eight streams a weight row apart (on the AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row
+// each: gate_up K = 2048 1.22-1.31x, down K = 768 1.26-1.41x; docs/history/performance-decode.md).
+// Only the layout differs: the same blocks meet the same steps, so the bits are the in-place ones.
+// A copy the caller owns (Kernels::weight_groups; pack_weight_groups in ops.cpp); columns past the
+// last whole group are read in place.
+constexpr int kGroupCols = 8;
+inline int64_t weight_group_elems(int64_t K, int64_t chunks) {
+  return chunks * bf16_chunk_stride(K / chunks) * kGroupCols;
+}
+
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
   const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
   return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
@@ -140,13 +154,16 @@ struct Kernels {
   void (*log_n)(const float* x, float* y, int64_t n);
   // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
   // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
-  // otherwise as linear_panel.
+  // otherwise as linear_panel. wgroups: where the table has weight_groups, W's columns in groups
+  // (the first column's group; weight_group_elems(kc * chunks, chunks) a group), or null: its
+  // one-row tiles read whole groups there; the rest reads W. The same bits either way.
   // scratch: linear_scratch_bf16(chunks, K, rows) floats. xpairs: where the table has pack_pairs
   // and bf16_packs_pairs(rows, kc), the same rows packed by it (required: those dot products read
   // x there; made once, read by every panel of the rows); otherwise null.
   void (*linear_panel_bf16)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                             int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
-                            int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs);
+                            int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs,
+                            const uint16_t* wgroups);
   // One step of the pair chains on n lanes (acc fp32 [n], a, b bf16 [n, 2]): the unit the
   // equality tests compare across builds and with the instruction.
   void (*bf16_pair_step)(const float* acc, const uint16_t* a, const uint16_t* b, float* out, int64_t n);
@@ -178,6 +195,9 @@ struct Kernels {
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
+  // Whether linear_panel_bf16 reads weight groups (kGroupCols) when given them: the tables whose
+  // one-row tiles are on the instruction. Elsewhere a packed copy would be memory for nothing.
+  bool weight_groups;
 };
 
 const Kernels* kernels_avx2();

@@ -24,10 +24,14 @@ TORCH_LIBRARY(tonp, m) {
         "Tensor request_ids, Tensor positions) -> Tensor");
   m.def("moe_route(Tensor router_logits, int top_k, bool normalize) -> (Tensor, Tensor)");
   m.def("moe_combine(Tensor weights, Tensor expert_out) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, int chunks) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, int chunks, "
+        "Tensor? gate_up_groups=None, Tensor? down_groups=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("moe_experts_backward(Tensor grad, Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // A bf16 weight's columns in groups for the one-row tiles (ops.cpp; empty where the table reads
+  // none): the copy a caller keeps beside the weight and passes as moe_experts' *_groups.
+  m.def("pack_weight_groups(Tensor weight, int chunks) -> Tensor");
   // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
   // (TONP_FORCE_PORTABLE=1, or no AVX2).
   m.def("isa() -> str", [] { return std::string(tonp::K()->name); });

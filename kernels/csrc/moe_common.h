@@ -17,6 +17,8 @@ void check_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
                    int64_t chunks);
 ExpertGroups group_by_expert(const at::Tensor& ids, int64_t first_expert, int64_t E);
 at::Tensor moe_experts_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gate_up,
-                               const at::Tensor& down, int64_t first_expert, int64_t chunks, at::Tensor* gate_up_out);
+                               const at::Tensor& down, int64_t first_expert, int64_t chunks, at::Tensor* gate_up_out,
+                               const std::optional<at::Tensor>& gate_up_groups = std::nullopt,
+                               const std::optional<at::Tensor>& down_groups = std::nullopt);
 
 }  // namespace tonp

@@ -82,7 +82,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                                 bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N, oelem,
                                 scratch.get(),
                                 static_cast<const uint16_t*>(
-                                    xpack.of(mb, reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, rows, int(chunks))));
+                                    xpack.of(mb, reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, rows, int(chunks))),
+                                nullptr);
       else
         kern->linear_panel(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, wp + p * pw * Kd * esz, Kd, welem,
                            kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
@@ -92,6 +93,28 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     }
   });
   return out;
+}
+
+// A bf16 weight [..., N, K]'s columns in groups of kGroupCols (kernels.h), for linear_panel_bf16's
+// one-row tiles: [..., N / kGroupCols * weight_group_elems(K, chunks)], an exact copy (zero
+// padded where a chunk is not a multiple of 16 elements; columns past the last whole group are
+// left out: the kernel reads them in place). Empty where this process's table reads no groups
+// or the weight is not bf16: nothing to gain, so no memory spent.
+at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
+  TORCH_CHECK_VALUE(w.dim() >= 2, "tonp.pack_weight_groups: weight must be [..., N, K], got shape ", w.sizes());
+  const int64_t N = w.size(-2), Kd = w.size(-1);
+  check_chunks(Kd, chunks, "pack_weight_groups");
+  TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.pack_weight_groups: at most ", kMaxChunks, " reduction chunks, got ", chunks);
+  elem_of(w, "pack_weight_groups", "weight");
+  const int64_t G = N / kGroupCols;
+  if (!K()->weight_groups || w.scalar_type() != at::kBFloat16 || G == 0 || Kd == 0) return at::empty({0}, w.options());
+  const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = bf16_chunk_stride(kc);
+  at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * kGroupCols)
+                     .reshape({lead, G, kGroupCols, chunks, kc});
+  if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
+  std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
+  shape.push_back(G * weight_group_elems(Kd, chunks));
+  return v.reshape({lead, G, kGroupCols, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
@@ -331,6 +354,7 @@ TORCH_LIBRARY_IMPL(tonp, CPU, m) {
   m.impl("attention_varlen", &attention_varlen);
   m.impl("attention_paged", &attention_paged);
   m.impl("rope", &rope);
+  m.impl("pack_weight_groups", &pack_weight_groups);
 }
 
 }  // namespace tonp

@@ -186,6 +186,33 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
                     " (the chunk tree needs C | K)");
 }
 
+// A bf16 weight [..., N, K]'s column groups (kernels.h kGroupCols), as pack_weight_groups (ops.cpp)
+// makes them for `chunks` reduction chunks: [..., N / kGroupCols * weight_group_elems(K, chunks)].
+inline int64_t weight_groups_numel(const at::Tensor& w, int64_t chunks) {
+  const int64_t N = w.size(-2), K = w.size(-1), lead = N * K ? w.numel() / (N * K) : 0;
+  return lead * (N / kGroupCols) * weight_group_elems(K, chunks);
+}
+
+// The column groups a caller passes beside weight w (a copy it owns, made by pack_weight_groups
+// from these weights and chunks), checked; null where there are none (not given, or empty: what
+// pack_weight_groups returns where the table reads none) or the table reads none. The copy's
+// contents are the caller's: a group stale against w would give another weight's outputs.
+inline const uint16_t* weight_groups_of(const std::optional<at::Tensor>& g, const at::Tensor& w, int64_t chunks,
+                                        const char* op, const char* what) {
+  if (!g || !g->defined() || g->numel() == 0) return nullptr;
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16, "tonp.", op, ": ", what,
+                    "_groups given for a weight that is not bfloat16 (", w.scalar_type(),
+                    "): column groups serve bf16 weights only");
+  TORCH_CHECK_TYPE(g->scalar_type() == at::kBFloat16 && g->is_contiguous(), "tonp.", op, ": ", what,
+                   "_groups must be a contiguous bfloat16 tensor (pack_weight_groups' result), got ", g->scalar_type());
+  const int64_t want = weight_groups_numel(w, chunks);
+  TORCH_CHECK_VALUE(g->numel() == want, "tonp.", op, ": ", what, "_groups holds ", g->numel(),
+                    " elements, but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " holds ",
+                    want, " (packed from another weight, or for other chunks?)");
+  if (!K()->weight_groups) return nullptr;
+  return static_cast<const uint16_t*>(g->data_ptr());
+}
+
 // Index tensors (ids, positions, offsets, page tables) must hold integers: a float or bool one
 // would be truncated silently by a conversion.
 inline void check_integer(const at::Tensor& t, const char* op, const char* what) {
