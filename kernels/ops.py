@@ -174,8 +174,10 @@ def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
     the CPU kernels' one-row tiles (moe_experts' gate_up_groups / down_groups), or None where
     this process's kernels read none (only the AVX512-BF16 build does) or the weight is not
     bf16: then nothing is gained, and no memory spent. An exact copy of the bytes, the same size
-    as the weight (whole groups of 8 columns; chunks zero padded to 16 elements); the caller
-    owns it and must remake it when the weight changes (the kernels cannot tell a stale copy).
+    as the weight (whole groups of 8 columns; chunks zero padded to 16 elements), shaped
+    [..., N // 8, chunks, 8 * padded chunk]; the caller owns it and must remake it when the
+    weight changes (the kernels refuse a copy of another shape or chunks, but cannot tell a
+    stale one).
     """
     chunks = check.integer(chunks, op="pack_weight_groups", name="chunks")
     if not isinstance(weight, torch.Tensor):

@@ -155,8 +155,8 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
              max_batch_size: Optional[int] = None,
              stop_token_ids: Optional[Sequence[int]] = None, progress: bool = False, *,
              request_ids: Optional[Sequence[int]] = None, num_pages: Optional[int] = None,
-             prefix_cache: bool = True, max_step_tokens: Optional[int] = None
-             ) -> GenerationOutput:
+             prefix_cache: bool = True, max_step_tokens: Optional[int] = None,
+             weight_groups: bool = True) -> GenerationOutput:
     """Roll out every prompt with `model` (a Qwen3MoeForCausalLM or anything with its forward,
     `new_cache` and `config`) through an `Engine`.
 
@@ -180,6 +180,10 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         prefix_cache: share the K/V pages of prompt prefixes between requests (G samples of a
             prompt prefill it once); max_step_tokens: tokens a forward feeds at most (chunked
             prefill; None = no limit). Neither changes a bit of the result.
+        weight_groups: the engine keeps the bf16 expert weights also in column groups for the
+            AVX512-BF16 build's one-row tiles (engine.Engine; packed afresh for each call and
+            dropped when it returns: the expert weights' size again in memory meanwhile);
+            False: none. It changes no bit either.
         progress: show a tqdm bar over finished requests.
     Returns: GenerationOutput (sequences, fp32 logprobs, prompt lengths, finish reasons, stats).
     Raises: TypeError / ValueError / IndexError on a bad argument, named (empty prompt, token id
@@ -188,6 +192,9 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         of a TP group were given different calls, or when the model's logits are not finite.
     """
     start = time.perf_counter()
+    if not isinstance(weight_groups, bool):
+        raise TypeError(f"generate: weight_groups must be True or False, got "
+                        f"{type(weight_groups).__name__}")
     tp = TPCheck.of(model, "generate")
     call = tp.agreed(lambda: _check_call(model, prompts, max_new_tokens, eos_token_id,
                                          temperature, top_k, top_p, seed, max_batch_size,
@@ -200,8 +207,12 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         num_pages, batch, longest = _cache_pages(call, model.config.attention_block)
         engine = Engine(model, max_batch_size=batch, num_pages=num_pages, max_seq_len=longest,
                         prefix_caching=call.prefix_cache, max_step_tokens=call.max_step_tokens,
-                        strict=True, who="generate", lockstep_group=_lockstep(model, call))
-        _run(engine, call, stats, progress, tp)
+                        strict=True, who="generate", lockstep_group=_lockstep(model, call),
+                        weight_groups=weight_groups)
+        try:
+            _run(engine, call, stats, progress, tp)
+        finally:   # the next call's engine packs them afresh: no memory held between calls
+            engine.drop_weight_groups()
     stats.seconds = time.perf_counter() - start
     dev = _device(model)
     return GenerationOutput(

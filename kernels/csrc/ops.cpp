@@ -96,7 +96,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 }
 
 // A bf16 weight [..., N, K]'s columns in groups of kGroupCols (kernels.h), for linear_panel_bf16's
-// one-row tiles: [..., N / kGroupCols * weight_group_elems(K, chunks)], an exact copy (zero
+// one-row tiles: [..., N / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(K / chunks)] (the
+// chunks in the shape, so a copy made for other chunks is refused), an exact copy (zero
 // padded where a chunk is not a multiple of 16 elements; columns past the last whole group are
 // left out: the kernel reads them in place). Empty where this process's table reads no groups
 // or the weight is not bf16: nothing to gain, so no memory spent.
@@ -113,7 +114,7 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
                      .reshape({lead, G, kGroupCols, chunks, kc});
   if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
-  shape.push_back(G * weight_group_elems(Kd, chunks));
+  shape.insert(shape.end(), {G, chunks, kGroupCols * xkc});
   return v.reshape({lead, G, kGroupCols, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
 }
 

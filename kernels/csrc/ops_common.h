@@ -186,11 +186,13 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
                     " (the chunk tree needs C | K)");
 }
 
-// A bf16 weight [..., N, K]'s column groups (kernels.h kGroupCols), as pack_weight_groups (ops.cpp)
-// makes them for `chunks` reduction chunks: [..., N / kGroupCols * weight_group_elems(K, chunks)].
-inline int64_t weight_groups_numel(const at::Tensor& w, int64_t chunks) {
-  const int64_t N = w.size(-2), K = w.size(-1), lead = N * K ? w.numel() / (N * K) : 0;
-  return lead * (N / kGroupCols) * weight_group_elems(K, chunks);
+// The shape of a bf16 weight [..., N, K]'s column groups (kernels.h kGroupCols) as
+// pack_weight_groups (ops.cpp) makes them for `chunks` reduction chunks:
+// [..., N / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(K / chunks)].
+inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chunks) {
+  std::vector<int64_t> s(w.sizes().begin(), w.sizes().end() - 2);
+  s.insert(s.end(), {w.size(-2) / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(w.size(-1) / chunks)});
+  return s;
 }
 
 // The column groups a caller passes beside weight w (a copy it owns, made by pack_weight_groups
@@ -205,10 +207,10 @@ inline const uint16_t* weight_groups_of(const std::optional<at::Tensor>& g, cons
                     "): column groups serve bf16 weights only");
   TORCH_CHECK_TYPE(g->scalar_type() == at::kBFloat16 && g->is_contiguous(), "tonp.", op, ": ", what,
                    "_groups must be a contiguous bfloat16 tensor (pack_weight_groups' result), got ", g->scalar_type());
-  const int64_t want = weight_groups_numel(w, chunks);
-  TORCH_CHECK_VALUE(g->numel() == want, "tonp.", op, ": ", what, "_groups holds ", g->numel(),
-                    " elements, but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " holds ",
-                    want, " (packed from another weight, or for other chunks?)");
+  const std::vector<int64_t> want = weight_groups_shape(w, chunks);
+  TORCH_CHECK_VALUE(g->sizes() == at::IntArrayRef(want), "tonp.", op, ": ", what, "_groups has shape ", g->sizes(),
+                    ", but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " has ",
+                    at::IntArrayRef(want), " (packed from another weight, or for other chunks?)");
   if (!K()->weight_groups) return nullptr;
   return static_cast<const uint16_t*>(g->data_ptr());
 }

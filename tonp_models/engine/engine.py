@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tonp_parallel import ParallelGroups, group_device
 
 from ..layers import CacheFullError
+from ..layers.moe import reading_weight_groups
 from . import rules
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache
@@ -49,12 +50,16 @@ class Engine:
         lockstep_group: a process group whose ranks step together although they hold different
             requests (expert parallelism without tensor parallelism between them): a rank
             without work runs a one-token forward while a peer has work (see `idle_everywhere`).
+        weight_groups: keep the bf16 expert weights also in column groups, which the AVX512-BF16
+            build's one-row tiles stream faster (layers/moe.py; the same bits). Costs the expert
+            weights' size again in memory on that build, nothing elsewhere. After changing the
+            weights, call clear_prefix_cache() (as for the prefix cache's K/V).
     """
 
     def __init__(self, model, *, max_batch_size: int = 8, num_pages: Optional[int] = None,
                  max_seq_len: Optional[int] = None, prefix_caching: bool = True,
                  max_step_tokens: Optional[int] = None, strict: bool = False,
-                 who: str = "engine", lockstep_group=None):
+                 who: str = "engine", lockstep_group=None, weight_groups: bool = True):
         c = model.config
         self.model, self.who, self.strict = model, who, strict
         self.max_seq_len = max_seq_len or c.max_position_embeddings
@@ -73,6 +78,15 @@ class Engine:
         self.lockstep_group = lockstep_group
         self.requests: Dict[Any, Request] = {}
         self._news: List[StepOutput] = []   # outputs of requests that ended between steps
+        # Layers that keep their weights in column groups for the one-row tiles (layers/moe.py),
+        # read by this engine's forwards only: packed afresh on the first step and after
+        # clear_prefix_cache (every weight update calls it), and before any step whose layer
+        # weights are no longer the tensors / versions they were made from. The same bits, more
+        # speed, and the expert weights' size again in memory (weight_groups=False: none).
+        modules = getattr(model, "modules", None) if weight_groups else None
+        self._grouped = [m for m in modules() if hasattr(m, "pack_weight_groups")] \
+            if modules is not None else []
+        self._groups_fresh = False
 
     # -- requests ----------------------------------------------------------------------------
     def check(self, r: Request) -> None:
@@ -154,6 +168,26 @@ class Engine:
         return not self.sched.done or bool(self._news)
 
     @property
+    def weight_group_bytes(self) -> int:
+        """Bytes the model's weight groups hold (0: none made, or none read by these kernels)."""
+        return sum(m.weight_group_bytes() for m in self._grouped)
+
+    def refresh_weight_groups(self) -> int:
+        """Pack the weight groups: all of them on the first call and after clear_prefix_cache,
+        else those whose weights changed since (as far as a check can see); how many layers."""
+        stale = [m for m in self._grouped if not (self._groups_fresh and m.weight_groups_current())]
+        for m in stale:
+            m.pack_weight_groups()
+        self._groups_fresh = True
+        return len(stale)
+
+    def drop_weight_groups(self) -> None:
+        """Free the weight groups (the next step packs them again)."""
+        for m in self._grouped:
+            m.drop_weight_groups()
+        self._groups_fresh = False
+
+    @property
     def num_running(self) -> int:
         return len(self.sched.running)
 
@@ -162,9 +196,11 @@ class Engine:
         return len(self.sched.waiting)
 
     def clear_prefix_cache(self) -> None:
-        """Forget every cached prefix (after a weight update their K/V are stale)."""
+        """Forget every cached prefix (after a weight update their K/V are stale) and re-pack the
+        weight groups before the next step (they are copies of the old weights)."""
         if self.prefix is not None:
             self.prefix.clear()
+        self._groups_fresh = False
 
     # -- stepping ----------------------------------------------------------------------------
     def idle_everywhere(self) -> bool:
@@ -207,8 +243,10 @@ class Engine:
     def _run(self, batch: ScheduledBatch) -> torch.Tensor:
         """The forward over the batch -> fp32 logits [S', V] of its sampled requests; then the
         scheduler commits the fed tokens."""
-        logits = self.model(batch.ids, batch.cu_seqlens, kv=batch.kv,
-                            logits_rows=batch.logits_rows)
+        self.refresh_weight_groups()
+        with reading_weight_groups():
+            logits = self.model(batch.ids, batch.cu_seqlens, kv=batch.kv,
+                                logits_rows=batch.logits_rows)
         self.stats.forward_steps += 1
         for r, n in batch.feeds:
             if r.prefilling:

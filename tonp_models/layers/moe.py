@@ -12,6 +12,16 @@ The reference path `_per_expert` runs one `linear`/`silu_mul`/`linear` call per 
 fused op's bits (tests/test_model_invariance.py), more Python per step. It serves when
 `fused_experts` is False, and beside the fused op when a probe hook wants detail (layers/probe.py).
 
+Weight groups: `pack_weight_groups()` keeps a copy of the bf16 expert weights in column groups
+(tonp_kernels.pack_weight_groups), which the CPU kernels' one-row tiles read as one stream (an
+expert that gets one row: every expert at batch 1, most at 16). The same bits, the same size as
+the expert weights again. Only a forward inside `reading_weight_groups()` reads the copy: the
+rollout engine's steps (engine.Engine's weight_groups), which pack it afresh on an engine's
+first step and after clear_prefix_cache (the call every weight update makes). A training or
+scoring forward never does, so a write no check can see (a fused optimizer's step, a
+`p.data.copy_`: neither bumps the version counter) cannot reach it. Inside, a copy whose
+weights are no longer the same tensors, storage and version counter is dropped, not read.
+
 Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
 [ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds only those experts:
@@ -31,7 +41,9 @@ rank's rows of the output: inside, every TP rank holds every token, as without S
 """
 from __future__ import annotations
 
-from typing import Dict
+import contextlib
+import contextvars
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +53,19 @@ import tonp_kernels as tk
 from .linear import Shard, _tp_rank, _tp_size
 from .probe import probe
 from .probe import probing, wants_detail
+
+
+_READ_GROUPS = contextvars.ContextVar("tonp_read_weight_groups", default=False)
+
+
+@contextlib.contextmanager
+def reading_weight_groups() -> Iterator[None]:
+    """Forwards in this context (this thread) read the weight groups their blocks hold."""
+    token = _READ_GROUPS.set(True)
+    try:
+        yield
+    finally:
+        _READ_GROUPS.reset(token)
 
 
 class SparseMoeBlock(nn.Module):
@@ -68,6 +93,8 @@ class SparseMoeBlock(nn.Module):
         self.first_expert = ep_rank * self.local_experts
         self.intermediate, self.chunks = moe_intermediate_size, chunks
         self.fused_experts = True  # False: the per-expert reference path (the same bits)
+        # (the weights' key, gate_up groups, down groups) from pack_weight_groups; None: none made
+        self._groups: Optional[Tuple[tuple, Optional[torch.Tensor], Optional[torch.Tensor]]] = None
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))  # router
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * moe_intermediate_size,
                                                      hidden_size, dtype=dtype))
@@ -103,6 +130,34 @@ class SparseMoeBlock(nn.Module):
         probe("combine", out)
         return out
 
+    def _weights_key(self) -> tuple:
+        """What identifies the expert weights' contents short of reading them: the tensors, their
+        storage and their version counters (every in-place write through them bumps it)."""
+        return (self.chunks,) + tuple((id(p), p.data_ptr(), p._version, p.dtype, tuple(p.shape))
+                                      for p in (self.gate_up_proj, self.down_proj))
+
+    def pack_weight_groups(self) -> int:
+        """(Re)make the column groups of the expert weights from their current values; bytes
+        held (0 where the kernels read none: another CPU build, fp32 weights, a device)."""
+        self._groups = None
+        gu = tk.pack_weight_groups(self.gate_up_proj, self.chunks)
+        dn = tk.pack_weight_groups(self.down_proj, self.chunks)
+        self._groups = (self._weights_key(), gu, dn)   # (key, None, None): nothing to read
+        return self.weight_group_bytes()
+
+    def weight_group_bytes(self) -> int:
+        """Bytes the column groups hold (0: none)."""
+        return 0 if self._groups is None else \
+            sum(t.numel() * t.element_size() for t in self._groups[1:] if t is not None)
+
+    def drop_weight_groups(self) -> None:
+        self._groups = None
+
+    def weight_groups_current(self) -> bool:
+        """True when pack_weight_groups ran on the weights as they are now (and made groups
+        where the kernels read them)."""
+        return self._groups is not None and self._groups[0] == self._weights_key()
+
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, received: bool = False
                  ) -> torch.Tensor:
         """x [R, H], ids [R, J] (this rank's experts) -> y [R, J, H]: row (r, j) through expert
@@ -110,8 +165,15 @@ class SparseMoeBlock(nn.Module):
         if not self.fused_experts:
             y = self._per_expert(x, ids, received)
         else:
+            gu = dn = None
+            if self._groups is not None and _READ_GROUPS.get():
+                if self.weight_groups_current():
+                    _, gu, dn = self._groups
+                else:   # the weights changed since: a stale copy is never read
+                    self._groups = None
             y = tk.moe_experts(x, ids, self.gate_up_proj, self.down_proj,
-                               first_expert=self.first_expert, chunks=self.chunks)
+                               first_expert=self.first_expert, chunks=self.chunks,
+                               gate_up_groups=gu, down_groups=dn)
             if wants_detail():
                 self._per_expert(x, ids, received)  # observed only: the same bits as y
         if probing():

@@ -47,6 +47,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-step-tokens", type=int, default=None,
                     help="tokens a forward feeds at most (chunked prefill; default: no limit)")
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--no-weight-groups", action="store_true",
+                    help="keep no second copy of the bf16 expert weights in column groups (the "
+                         "AVX512-BF16 build's faster one-row decode; the same bits)")
     ap.add_argument("--max-n", type=int, default=64, help="sequences one request may ask for")
     ap.add_argument("--max-logprobs", type=int, default=20,
                     help="top (and prompt) logprobs a request may ask for (-1 = the vocab)")
@@ -212,7 +215,8 @@ def _serve_ranks(args, groups) -> None:
     context = min(args.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
     engine = Engine(model, max_batch_size=args.max_batch_size, num_pages=args.num_pages,
                     max_seq_len=context - 1, prefix_caching=not args.no_prefix_cache,
-                    max_step_tokens=args.max_step_tokens, who="serve")
+                    max_step_tokens=args.max_step_tokens, who="serve",
+                    weight_groups=not args.no_weight_groups)
     group = None if groups is None else torch.distributed.group.WORLD
     service = EngineService(engine, weight_loader(model),
                             check_weights=weights_path_check(weights_dir(args)),

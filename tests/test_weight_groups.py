@@ -1,0 +1,201 @@
+"""Weight column groups (kernels.h kGroupCols; tonp_kernels.pack_weight_groups): a copy of the bf16
+expert weights that the AVX512-BF16 build's one-row tiles read as one stream. The copy changes
+where the bytes are read from, never a bit; where it is read is owned by the engine, so a stale
+copy can never reach a training or scoring forward.
+
+On builds whose tiles read no groups (AVX2, portable) pack_weight_groups returns None and the
+kernels are the in-place ones: the tests below that need a copy assert that this is why."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tonp_kernels as tk
+from conftest import assert_bitwise
+from test_generation import prompts, rollout_logdiff, tiny_model
+from tonp_models import generate
+from tonp_models.engine import Engine, Request, SamplingParams
+from tonp_models.layers.moe import SparseMoeBlock, reading_weight_groups
+
+READS_GROUPS = tk.isa() == "avx512bf16"
+
+
+def _experts(E, I, H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * I, H, generator=g).bfloat16(),
+            torch.randn(E, H, I, generator=g).bfloat16())
+
+
+def _packed(w, chunks):
+    p = tk.pack_weight_groups(w, chunks)
+    if not READS_GROUPS:
+        assert p is None, f"the {tk.isa()} build's tiles read no groups: no copy to make"
+        pytest.skip(f"the {tk.isa()} build reads no weight groups (only avx512bf16 does)")
+    return p
+
+
+def test_pack_layout_is_the_columns_blocks_side_by_side():
+    """Group g, chunk c, block b holds columns 8g..8g+7's elements c*kc + 16b .. + 16, zero past kc."""
+    w = torch.arange(16 * 40, dtype=torch.float32).reshape(16, 40).bfloat16()  # N = 16, K = 40
+    p = _packed(w, 2)                                      # kc = 20 -> two blocks a chunk
+    assert p.shape == (2, 2, 2 * 8 * 16) and p.dtype == torch.bfloat16   # [group][chunk][...]
+    v = p.view(2, 2, 2, 8, 16)                             # [group][chunk][block][col][16]
+    for g in range(2):
+        for c in range(2):
+            for b in range(2):
+                for j in range(8):
+                    n, k0 = 8 * g + j, 20 * c + 16 * b
+                    want = torch.zeros(16, dtype=torch.bfloat16)
+                    m = min(16, 20 - 16 * b)
+                    want[:m] = w[n, k0:k0 + m]
+                    assert torch.equal(v[g, c, b, j], want), (g, c, b, j)
+
+
+@pytest.mark.parametrize("E,I,H,chunks", [(8, 96, 128, 8), (4, 40, 72, 2), (6, 64, 2048, 8),
+                                           (3, 48, 200, 4), (5, 36, 64, 1)])
+def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks):
+    """Every row count (one row an expert reads the groups; more rows read in place), chunks whose
+    size is not a multiple of 16 (zero-padded blocks), N not a multiple of 8 (the last columns in
+    place): the same bits as without the copy."""
+    gu, dn = _experts(E, I, H)
+    gug, dng = _packed(gu, chunks), _packed(dn, chunks)
+    g = torch.Generator().manual_seed(1)
+    for M in (1, 2, 3, 5, 9, 17, 40):
+        x = torch.randn(M, H, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(M)])
+        want = tk.moe_experts(x, ids, gu, dn, chunks=chunks)
+        got = tk.moe_experts(x, ids, gu, dn, chunks=chunks, gate_up_groups=gug, down_groups=dng)
+        assert_bitwise(got, want, f"M={M}")
+
+
+def test_the_kernel_reads_the_groups_it_is_given():
+    """The twin: groups packed from other weights of the same shape change a one-row output (so
+    the equality above compares a path that really reads them) and leave a multi-row one alone."""
+    gu, dn = _experts(8, 96, 128)
+    other_gu, other_dn = _experts(8, 96, 128, seed=5)
+    gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
+    x = torch.randn(2, 128).bfloat16()
+    one = torch.tensor([[0, 1], [2, 3]])        # every expert one row: the group tiles
+    assert not torch.equal(tk.moe_experts(x, one, gu, dn, gate_up_groups=gug, down_groups=dng),
+                           tk.moe_experts(x, one, gu, dn))
+    two = torch.tensor([[0, 1], [0, 1]])        # two rows an expert: read in place
+    assert_bitwise(tk.moe_experts(x, two, gu, dn, gate_up_groups=gug, down_groups=dng),
+                   tk.moe_experts(x, two, gu, dn))
+
+
+def test_bad_groups_are_refused_with_the_reason():
+    gu, dn = _experts(3, 48, 200)
+    x, ids = torch.randn(1, 200).bfloat16(), torch.tensor([[0, 1]])
+    gug = tk.pack_weight_groups(gu, 4)
+    dng = tk.pack_weight_groups(dn, 4)
+    if gug is not None:   # packed for other chunks, or swapped
+        with pytest.raises(ValueError, match="pack_weight_groups of gate_up .* chunks=8"):
+            tk.moe_experts(x, ids, gu, dn, chunks=8, gate_up_groups=gug)
+        with pytest.raises(ValueError, match="down_groups has shape"):
+            tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=gug, down_groups=gug)
+    with pytest.raises(ValueError, match="not bfloat16"):
+        tk.moe_experts(x.float(), ids, gu.float(), dn.float(), chunks=4,
+                       gate_up_groups=torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="contiguous bfloat16"):
+        tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=torch.zeros(8))
+    assert tk.pack_weight_groups(gu.float(), 4) is None          # fp32: nothing to gain
+    assert tk.pack_weight_groups(torch.zeros(4, 64).bfloat16(), 2) is None   # N < 8
+    with pytest.raises(ValueError, match="chunks must be a power of two"):
+        tk.pack_weight_groups(gu, 3)
+    with pytest.raises(ValueError, match="not divisible by chunks=16"):
+        tk.pack_weight_groups(gu, 16)
+
+
+def _block():
+    torch.manual_seed(0)
+    b = SparseMoeBlock(256, 96, 16, 4, True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_(std=0.05)
+    return b
+
+
+@torch.no_grad()
+def test_only_a_forward_inside_reading_weight_groups_reads_them():
+    """A training or scoring forward never reads the copy (corrupted here to show which path
+    ran); inside the engine's context it does, and a copy whose weights changed is dropped."""
+    b, x = _block(), torch.randn(1, 256).bfloat16()
+    want = b(x)
+    b.pack_weight_groups()
+    def padded_bytes(w):   # whole groups of 8 columns, each chunk padded to 16 elements
+        E, N, K = w.shape
+        return E * (N // 8 * 8) * b.chunks * (-(-K // b.chunks // 16) * 16) * 2
+    assert b.weight_group_bytes() == (0 if not READS_GROUPS else
+                                      padded_bytes(b.gate_up_proj) + padded_bytes(b.down_proj))
+    with reading_weight_groups():
+        assert_bitwise(b(x), want, "inside, a current copy")
+    if not READS_GROUPS:
+        return
+    b._groups[1].neg_()                                    # a wrong copy, same key
+    assert_bitwise(b(x), want, "outside, whatever the copy holds")
+    with reading_weight_groups():
+        assert not torch.equal(b(x), want)                 # inside: the copy is what is read
+    b.gate_up_proj.add_(0.0)                               # an in-place write: the version moves
+    assert not b.weight_groups_current()
+    with reading_weight_groups():
+        assert_bitwise(b(x), want, "inside, a copy of other weights is not read")
+    assert b._groups is None
+
+
+def test_rollout_with_groups_is_bitwise_the_training_forward():
+    """generate() with the copy (the default) and without: the same tokens and logprobs, and
+    logdiff 0 against the training forward; no copy is held once it returns."""
+    m = tiny_model(torch.bfloat16)
+    ps = prompts()
+    with_groups = generate(m, ps, 10, max_batch_size=4)
+    without = generate(m, ps, 10, max_batch_size=4, weight_groups=False)
+    for a, b in zip(with_groups.sequences, without.sequences, strict=True):
+        assert_bitwise(a, b, "tokens")
+    for a, b in zip(with_groups.logprobs, without.logprobs, strict=True):
+        assert_bitwise(a, b, "logprobs")
+    assert rollout_logdiff(m, with_groups, 0.0) == (0.0, True)
+    assert all(blk._groups is None for blk in m.modules() if isinstance(blk, SparseMoeBlock))
+    with pytest.raises(TypeError, match="weight_groups must be True or False"):
+        generate(m, ps, 1, weight_groups=1)
+
+
+def test_engine_packs_on_its_first_step_and_after_every_update():
+    """An engine packs on its first step; a write no version check sees (a fused optimizer
+    step: torch's fused AdamW bumps no version counter) is covered by clear_prefix_cache, which
+    every weight update through the service calls; a fresh engine (each generate call) packs
+    afresh. In each case the rollout equals the training forward of the weights as they are."""
+    torch.manual_seed(0)
+    from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig.preset("tiny", num_hidden_layers=2,
+                                                  mlp_only_layers=[1]), dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(10.0)
+    blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]
+    engine = Engine(m, max_batch_size=4)
+    assert engine.weight_group_bytes == 0
+    ps = prompts()[:3]
+    out = generate(m, ps, 6)
+    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
+    engine.add(Request("a", ps[0].tolist(), SamplingParams(max_new_tokens=2)))
+    engine.step()
+    assert (engine.weight_group_bytes > 0) == READS_GROUPS
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    versions = [b.gate_up_proj._version for b in blocks]
+    m.train()
+    loss = sum(lp.sum() for lp in m.token_logprobs([torch.cat([p, p]) for p in ps]))
+    loss.backward()
+    opt.step()
+    m.eval()
+    assert [b.gate_up_proj._version for b in blocks] == versions   # the hole this covers
+    assert all(b.weight_groups_current() for b in blocks)          # no check can see it ...
+    engine.clear_prefix_cache()                                    # ... the update's call does
+    assert engine.refresh_weight_groups() == len(blocks)
+    out = generate(m, ps, 6)                                       # and a new engine packs anew
+    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
+    with torch.no_grad():
+        for b in blocks:
+            b.down_proj.mul_(1.5)                                  # a tracked write
+    assert engine.refresh_weight_groups() == len(blocks)
+    assert engine.refresh_weight_groups() == 0
+    engine.drop_weight_groups()
+    assert engine.weight_group_bytes == 0
