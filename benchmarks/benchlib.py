@@ -112,6 +112,9 @@ class ForwardClock:
     def new_cache(self, *args, **kwargs):
         return self.model.new_cache(*args, **kwargs)
 
+    def modules(self):   # the layers whose weight groups the engine keeps (layers/moe.py)
+        return self.model.modules()
+
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.model(*args, **kwargs)

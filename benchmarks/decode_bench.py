@@ -90,14 +90,16 @@ def make_config(a) -> Qwen3MoeConfig:
                                  bos_token_id=None, eos_token_id=None)
 
 
-def tonp_run(model, prompts: List[List[int]], new: int) -> dict:
+def tonp_run(model, prompts: List[List[int]], new: int, weight_groups: bool = True) -> dict:
     """One greedy generate of `prompts`: its wall time, decode-step times and the engine's time
     per step outside the forward (None with new = 1: the prefill alone), and prompt 0's
-    logprobs."""
+    logprobs. weight_groups: generate's (the bf16 experts' column groups, kept by the model
+    between calls, so only a first call packs them)."""
     clock = ForwardClock(model)
     t0 = time.perf_counter()
     with tk.use("invariant"):
-        out = generate(clock, prompts, new, max_batch_size=len(prompts))
+        out = generate(clock, prompts, new, max_batch_size=len(prompts),
+                       weight_groups=weight_groups)
     wall = time.perf_counter() - t0
     assert all(len(c) == new for c in out.completions), "generation stopped early"
     starts = [s for s, _ in clock.spans[1:]] + [t0 + wall]

@@ -144,58 +144,73 @@ def test_only_a_forward_inside_reading_weight_groups_reads_them():
 
 def test_rollout_with_groups_is_bitwise_the_training_forward():
     """generate() with the copy (the default) and without: the same tokens and logprobs, and
-    logdiff 0 against the training forward; no copy is held once it returns."""
+    logdiff 0 against the training forward; the model keeps the copy for the next call until
+    drop_weight_groups()."""
     m = tiny_model(torch.bfloat16)
     ps = prompts()
     with_groups = generate(m, ps, 10, max_batch_size=4)
+    blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]
+    assert all(b.weight_groups_current() for b in blocks)
+    assert all((b.weight_group_bytes() > 0) == READS_GROUPS for b in blocks)
+    held = [b._groups[1] for b in blocks]
+    if READS_GROUPS:      # an engine without weight groups reads none the model holds
+        for t in held:
+            t.neg_()
     without = generate(m, ps, 10, max_batch_size=4, weight_groups=False)
+    if READS_GROUPS:
+        for t in held:
+            t.neg_()
     for a, b in zip(with_groups.sequences, without.sequences, strict=True):
         assert_bitwise(a, b, "tokens")
     for a, b in zip(with_groups.logprobs, without.logprobs, strict=True):
         assert_bitwise(a, b, "logprobs")
     assert rollout_logdiff(m, with_groups, 0.0) == (0.0, True)
-    assert all(blk._groups is None for blk in m.modules() if isinstance(blk, SparseMoeBlock))
+    m.drop_weight_groups()
+    assert all(b._groups is None for b in blocks)
     with pytest.raises(TypeError, match="weight_groups must be True or False"):
         generate(m, ps, 1, weight_groups=1)
 
 
-def test_engine_packs_on_its_first_step_and_after_every_update():
-    """An engine packs on its first step; a write no version check sees (a fused optimizer
-    step: torch's fused AdamW bumps no version counter) is covered by clear_prefix_cache, which
-    every weight update through the service calls; a fresh engine (each generate call) packs
-    afresh. In each case the rollout equals the training forward of the weights as they are."""
+def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():
+    """An engine packs on its first step; a torch optimizer step makes every copy stale (torch's
+    fused AdamW bumps no version counter: the global step hook is what sees it), a tracked
+    in-place write the written layer's; clear_prefix_cache (every weight update through the
+    service calls it) re-packs them all. Each rollout equals the training forward of the weights
+    as they are then."""
     torch.manual_seed(0)
     from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    m = Qwen3MoeForCausalLM(Qwen3MoeConfig.preset("tiny", num_hidden_layers=2,
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig.preset("tiny", num_hidden_layers=3,
                                                   mlp_only_layers=[1]), dtype=torch.bfloat16)
     with torch.no_grad():
         m.lm_head.weight.mul_(10.0)
     blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]
+    assert len(blocks) == 2
     engine = Engine(m, max_batch_size=4)
     assert engine.weight_group_bytes == 0
     ps = prompts()[:3]
-    out = generate(m, ps, 6)
-    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
     engine.add(Request("a", ps[0].tolist(), SamplingParams(max_new_tokens=2)))
     engine.step()
     assert (engine.weight_group_bytes > 0) == READS_GROUPS
+    assert engine.refresh_weight_groups() == 0
+    out = generate(m, ps, 6)
+    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
     versions = [b.gate_up_proj._version for b in blocks]
     m.train()
-    loss = sum(lp.sum() for lp in m.token_logprobs([torch.cat([p, p]) for p in ps]))
-    loss.backward()
+    sum(lp.sum() for lp in m.token_logprobs([torch.cat([p, p]) for p in ps])).backward()
     opt.step()
     m.eval()
-    assert [b.gate_up_proj._version for b in blocks] == versions   # the hole this covers
-    assert all(b.weight_groups_current() for b in blocks)          # no check can see it ...
-    engine.clear_prefix_cache()                                    # ... the update's call does
-    assert engine.refresh_weight_groups() == len(blocks)
-    out = generate(m, ps, 6)                                       # and a new engine packs anew
+    assert [b.gate_up_proj._version for b in blocks] == versions   # no counter moved ...
+    assert not any(b.weight_groups_current() for b in blocks)      # ... the step hook saw it
+    out = generate(m, ps, 6)
     assert rollout_logdiff(m, out, 0.0) == (0.0, True)
+    assert engine.refresh_weight_groups() == 0                      # generate re-packed them
     with torch.no_grad():
-        for b in blocks:
-            b.down_proj.mul_(1.5)                                  # a tracked write
+        blocks[1].down_proj.mul_(1.5)                               # a tracked write: one layer
+    assert engine.refresh_weight_groups() == 1
+    engine.clear_prefix_cache()
     assert engine.refresh_weight_groups() == len(blocks)
-    assert engine.refresh_weight_groups() == 0
+    out = generate(m, ps, 6)
+    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
     engine.drop_weight_groups()
     assert engine.weight_group_bytes == 0

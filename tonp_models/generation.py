@@ -181,9 +181,9 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
             prompt prefill it once); max_step_tokens: tokens a forward feeds at most (chunked
             prefill; None = no limit). Neither changes a bit of the result.
         weight_groups: the engine keeps the bf16 expert weights also in column groups for the
-            AVX512-BF16 build's one-row tiles (engine.Engine; packed afresh for each call and
-            dropped when it returns: the expert weights' size again in memory meanwhile);
-            False: none. It changes no bit either.
+            AVX512-BF16 build's one-row tiles (engine.Engine): packed when missing or stale,
+            kept by the model for the next call (the expert weights' size again in memory;
+            free them with `model.drop_weight_groups()`); False: none. It changes no bit.
         progress: show a tqdm bar over finished requests.
     Returns: GenerationOutput (sequences, fp32 logprobs, prompt lengths, finish reasons, stats).
     Raises: TypeError / ValueError / IndexError on a bad argument, named (empty prompt, token id
@@ -209,10 +209,7 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
                         prefix_caching=call.prefix_cache, max_step_tokens=call.max_step_tokens,
                         strict=True, who="generate", lockstep_group=_lockstep(model, call),
                         weight_groups=weight_groups)
-        try:
-            _run(engine, call, stats, progress, tp)
-        finally:   # the next call's engine packs them afresh: no memory held between calls
-            engine.drop_weight_groups()
+        _run(engine, call, stats, progress, tp)
     stats.seconds = time.perf_counter() - start
     dev = _device(model)
     return GenerationOutput(

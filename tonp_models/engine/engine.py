@@ -15,6 +15,7 @@ it in its own thread and talks to it through a queue).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -52,8 +53,10 @@ class Engine:
             without work runs a one-token forward while a peer has work (see `idle_everywhere`).
         weight_groups: keep the bf16 expert weights also in column groups, which the AVX512-BF16
             build's one-row tiles stream faster (layers/moe.py; the same bits). Costs the expert
-            weights' size again in memory on that build, nothing elsewhere. After changing the
-            weights, call clear_prefix_cache() (as for the prefix cache's K/V).
+            weights' size again in memory on that build (held by the model until
+            drop_weight_groups()), nothing elsewhere. After changing the weights other than by
+            in-place tensor ops or a torch optimizer, call clear_prefix_cache() (as the prefix
+            cache's K/V need anyway).
     """
 
     def __init__(self, model, *, max_batch_size: int = 8, num_pages: Optional[int] = None,
@@ -79,14 +82,14 @@ class Engine:
         self.requests: Dict[Any, Request] = {}
         self._news: List[StepOutput] = []   # outputs of requests that ended between steps
         # Layers that keep their weights in column groups for the one-row tiles (layers/moe.py),
-        # read by this engine's forwards only: packed afresh on the first step and after
-        # clear_prefix_cache (every weight update calls it), and before any step whose layer
-        # weights are no longer the tensors / versions they were made from. The same bits, more
-        # speed, and the expert weights' size again in memory (weight_groups=False: none).
+        # read by engine forwards only: packed before a step where missing or made from weights
+        # that changed since (as layers/moe.py checks), and afresh after clear_prefix_cache
+        # (every weight update calls it). The same bits, more speed, and the expert weights'
+        # size again in memory, held by the model (weight_groups=False: none).
         modules = getattr(model, "modules", None) if weight_groups else None
         self._grouped = [m for m in modules() if hasattr(m, "pack_weight_groups")] \
             if modules is not None else []
-        self._groups_fresh = False
+        self._groups_fresh = True   # groups the model holds and that are current are used
 
     # -- requests ----------------------------------------------------------------------------
     def check(self, r: Request) -> None:
@@ -173,8 +176,8 @@ class Engine:
         return sum(m.weight_group_bytes() for m in self._grouped)
 
     def refresh_weight_groups(self) -> int:
-        """Pack the weight groups: all of them on the first call and after clear_prefix_cache,
-        else those whose weights changed since (as far as a check can see); how many layers."""
+        """Pack the weight groups that are missing or stale, all of them after
+        clear_prefix_cache; how many layers were packed."""
         stale = [m for m in self._grouped if not (self._groups_fresh and m.weight_groups_current())]
         for m in stale:
             m.pack_weight_groups()
@@ -243,8 +246,8 @@ class Engine:
     def _run(self, batch: ScheduledBatch) -> torch.Tensor:
         """The forward over the batch -> fp32 logits [S', V] of its sampled requests; then the
         scheduler commits the fed tokens."""
-        self.refresh_weight_groups()
-        with reading_weight_groups():
+        with reading_weight_groups() if self._grouped else contextlib.nullcontext():
+            self.refresh_weight_groups()
             logits = self.model(batch.ids, batch.cu_seqlens, kv=batch.kv,
                                 logits_rows=batch.logits_rows)
         self.stats.forward_steps += 1

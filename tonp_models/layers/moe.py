@@ -16,11 +16,13 @@ Weight groups: `pack_weight_groups()` keeps a copy of the bf16 expert weights in
 (tonp_kernels.pack_weight_groups), which the CPU kernels' one-row tiles read as one stream (an
 expert that gets one row: every expert at batch 1, most at 16). The same bits, the same size as
 the expert weights again. Only a forward inside `reading_weight_groups()` reads the copy: the
-rollout engine's steps (engine.Engine's weight_groups), which pack it afresh on an engine's
-first step and after clear_prefix_cache (the call every weight update makes). A training or
-scoring forward never does, so a write no check can see (a fused optimizer's step, a
-`p.data.copy_`: neither bumps the version counter) cannot reach it. Inside, a copy whose
-weights are no longer the same tensors, storage and version counter is dropped, not read.
+rollout engine's steps (engine.Engine's weight_groups), which pack it when missing or stale and
+afresh after clear_prefix_cache (the call every weight update makes). A training or scoring
+forward never reads it. Inside, a copy is read only while its weights are the same tensors,
+storage and version counters and no torch optimizer has stepped since (a global step hook: a
+fused optimizer bumps no version counter); else it is dropped. A write that bypasses both
+(`p.data.copy_(...)`) is not seen: call the engine's clear_prefix_cache() after it, as its
+prefix cache needs anyway.
 
 Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
@@ -47,6 +49,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tonp_kernels as tk
 
@@ -56,6 +59,14 @@ from .probe import probing, wants_detail
 
 
 _READ_GROUPS = contextvars.ContextVar("tonp_read_weight_groups", default=False)
+_OPTIMIZER_STEPS = [0]   # torch optimizer steps taken in this process (any optimizer)
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 @contextlib.contextmanager
@@ -132,9 +143,11 @@ class SparseMoeBlock(nn.Module):
 
     def _weights_key(self) -> tuple:
         """What identifies the expert weights' contents short of reading them: the tensors, their
-        storage and their version counters (every in-place write through them bumps it)."""
-        return (self.chunks,) + tuple((id(p), p.data_ptr(), p._version, p.dtype, tuple(p.shape))
-                                      for p in (self.gate_up_proj, self.down_proj))
+        storage and their version counters (every in-place write through them bumps it), and the
+        process's optimizer steps (a fused optimizer's writes bump no counter)."""
+        return (self.chunks, _OPTIMIZER_STEPS[0]) + tuple(
+            (id(p), p.data_ptr(), p._version, p.dtype, tuple(p.shape))
+            for p in (self.gate_up_proj, self.down_proj))
 
     def pack_weight_groups(self) -> int:
         """(Re)make the column groups of the expert weights from their current values; bytes

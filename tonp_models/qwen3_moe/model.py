@@ -315,6 +315,13 @@ class Qwen3MoeForCausalLM(nn.Module):
                             dtype=self.dtype, device=next(self.parameters()).device,
                             layers=self.stage)
 
+    def drop_weight_groups(self) -> None:
+        """Free the column-group copies of the expert weights that rollout engines made
+        (layers/moe.py; the next engine step packs them again)."""
+        for m in self.modules():
+            if hasattr(m, "drop_weight_groups") and m is not self:
+                m.drop_weight_groups()
+
     def token_logprobs(self, sequences: Sequence[torch.Tensor], temperature: float = 1.0, *,
                        micro_batch_size: Optional[int] = None, packed: bool = True
                        ) -> List[torch.Tensor]:
