@@ -15,7 +15,8 @@ from conftest import assert_bitwise
 from test_generation import prompts, rollout_logdiff, tiny_model
 from tonp_models import generate
 from tonp_models.engine import Engine, Request, SamplingParams
-from tonp_models.layers.moe import SparseMoeBlock, reading_weight_groups
+from tonp_models.layers.moe import SparseMoeBlock
+from tonp_models.layers.weight_groups import reading_weight_groups
 
 READS_GROUPS = tk.isa() == "avx512bf16"
 
@@ -106,6 +107,31 @@ def test_bad_groups_are_refused_with_the_reason():
         tk.pack_weight_groups(gu, 16)
 
 
+@pytest.mark.parametrize("N,K,chunks", [(64, 128, 8), (200, 72, 2), (37, 40, 4), (512, 2048, 8)])
+def test_linear_with_groups_is_bitwise_in_place(N, K, chunks):
+    """linear's weight_groups (the attention projections, the LM head): every row count, bias,
+    an fp32 output, N not a multiple of 8, chunks not a multiple of 16: the in-place bits."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    wg = _packed(w, chunks)
+    for M in (1, 2, 3, 8, 33):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        for kw in (dict(), dict(bias=bias), dict(out_dtype=torch.float32)):
+            assert_bitwise(tk.linear(x, w, chunks=chunks, weight_groups=wg, **kw),
+                           tk.linear(x, w, chunks=chunks, **kw), f"M={M} {sorted(kw)}")
+    other = _packed(torch.randn(N, K, generator=g).bfloat16(), chunks)
+    x = torch.randn(1, K, generator=g).bfloat16()
+    assert not torch.equal(tk.linear(x, w, chunks=chunks, weight_groups=other),
+                           tk.linear(x, w, chunks=chunks))       # the twin: one row reads them
+    x = torch.randn(2, K, generator=g).bfloat16()
+    assert_bitwise(tk.linear(x, w, chunks=chunks, weight_groups=other),
+                   tk.linear(x, w, chunks=chunks), "two rows read in place")
+    with pytest.raises(ValueError, match="weight_groups has shape"):
+        tk.linear(x, w, chunks=chunks // 2 or 1, weight_groups=wg) if chunks > 1 else \
+            tk.linear(x, w[:N - 8], chunks=chunks, weight_groups=wg)
+
+
 def _block():
     torch.manual_seed(0)
     b = SparseMoeBlock(256, 96, 16, 4, True, dtype=torch.bfloat16)
@@ -131,7 +157,7 @@ def test_only_a_forward_inside_reading_weight_groups_reads_them():
         assert_bitwise(b(x), want, "inside, a current copy")
     if not READS_GROUPS:
         return
-    b._groups[1].neg_()                                    # a wrong copy, same key
+    b._groups[1][0].neg_()                                 # a wrong copy, same key
     assert_bitwise(b(x), want, "outside, whatever the copy holds")
     with reading_weight_groups():
         assert not torch.equal(b(x), want)                 # inside: the copy is what is read
@@ -152,7 +178,7 @@ def test_rollout_with_groups_is_bitwise_the_training_forward():
     blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]
     assert all(b.weight_groups_current() for b in blocks)
     assert all((b.weight_group_bytes() > 0) == READS_GROUPS for b in blocks)
-    held = [b._groups[1] for b in blocks]
+    held = [b._groups[1][0] for b in blocks]
     if READS_GROUPS:      # an engine without weight groups reads none the model holds
         for t in held:
             t.neg_()
@@ -209,7 +235,9 @@ def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():
         blocks[1].down_proj.mul_(1.5)                               # a tracked write: one layer
     assert engine.refresh_weight_groups() == 1
     engine.clear_prefix_cache()
-    assert engine.refresh_weight_groups() == len(blocks)
+    grouped = [m for m in m.modules() if hasattr(m, "pack_weight_groups")]
+    assert len(grouped) == 2 + 3 * 4 + 3 + 1    # experts, attention, the dense MLP, LM head
+    assert engine.refresh_weight_groups() == len(grouped)
     out = generate(m, ps, 6)
     assert rollout_logdiff(m, out, 0.0) == (0.0, True)
     engine.drop_weight_groups()

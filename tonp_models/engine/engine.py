@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tonp_parallel import ParallelGroups, group_device
 
 from ..layers import CacheFullError
-from ..layers.moe import reading_weight_groups
+from ..layers.weight_groups import reading_weight_groups
 from . import rules
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache

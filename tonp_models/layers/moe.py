@@ -12,74 +12,26 @@ The reference path `_per_expert` runs one `linear`/`silu_mul`/`linear` call per 
 fused op's bits (tests/test_model_invariance.py), more Python per step. It serves when
 `fused_experts` is False, and beside the fused op when a probe hook wants detail (layers/probe.py).
 
-Weight groups: `pack_weight_groups()` keeps a copy of the bf16 expert weights in column groups
-(tonp_kernels.pack_weight_groups), which the CPU kernels' one-row tiles read as one stream (an
-expert that gets one row: every expert at batch 1, most at 16). The same bits, the same size as
-the expert weights again. Only a forward inside `reading_weight_groups()` reads the copy: the
-rollout engine's steps (engine.Engine's weight_groups), which pack it when missing or stale and
-afresh after clear_prefix_cache (the call every weight update makes). A training or scoring
-forward never reads it. Inside, a copy is read only while its weights are the same tensors,
-storage and version counters and no torch optimizer has stepped since (a global step hook: a
-fused optimizer bumps no version counter); else it is dropped. A write that bypasses both
-(`p.data.copy_(...)`) is not seen: call the engine's clear_prefix_cache() after it, as its
-prefix cache needs anyway.
-
-Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
-down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
-[ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds only those experts:
-
-    route all tokens (router weights replicated)        -> ids, w [M, K]
-    this rank's share of the tokens (TP ranks hold the same tokens: each dispatches a part,
-        so every expert sees each token once)           -> x, ids, w [n, K]
-    (token, slot) rows sorted by expert id = by owner rank; all_to_all the rows (counts first)
-    the owner runs the rows it received through their experts
-    all_to_all the results back; unsort                 -> y [n, K, H]
-    out = moe_combine(w, y)  token-owned, slot order, fp32; then the TP parts are gathered.
-A row's expert output depends only on the row and the expert's weights, and the combine runs
-where the token lives, so EP = 1, 2, 4 give the same bits. Every rank of the EP group must run
-each forward (and backward) together, with any number of tokens (zero included).
-Under sequence parallelism (`sp`) the block gathers the TP group's rows first and keeps this
-rank's rows of the output: inside, every TP rank holds every token, as without SP.
+Weight groups (layers/weight_groups.py): the rollout engine keeps the bf16 expert weights also
+in column groups, which the CPU kernels' one-row tiles read as one stream (an expert that gets
+one row: every expert at batch 1, most at 16); the same bits.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tonp_kernels as tk
 
 from .linear import Shard, _tp_rank, _tp_size
 from .probe import probe
 from .probe import probing, wants_detail
+from .weight_groups import HoldsWeightGroups
 
 
-_READ_GROUPS = contextvars.ContextVar("tonp_read_weight_groups", default=False)
-_OPTIMIZER_STEPS = [0]   # torch optimizer steps taken in this process (any optimizer)
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-register_optimizer_step_post_hook(_count_step)
-
-
-@contextlib.contextmanager
-def reading_weight_groups() -> Iterator[None]:
-    """Forwards in this context (this thread) read the weight groups their blocks hold."""
-    token = _READ_GROUPS.set(True)
-    try:
-        yield
-    finally:
-        _READ_GROUPS.reset(token)
-
-
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(HoldsWeightGroups, nn.Module):
     """x [M, H] -> [M, H] in x.dtype.
 
     Args: hidden_size, moe_intermediate_size (I), num_experts (E), top_k (K), norm_topk_prob,
@@ -104,8 +56,6 @@ class SparseMoeBlock(nn.Module):
         self.first_expert = ep_rank * self.local_experts
         self.intermediate, self.chunks = moe_intermediate_size, chunks
         self.fused_experts = True  # False: the per-expert reference path (the same bits)
-        # (the weights' key, gate_up groups, down groups) from pack_weight_groups; None: none made
-        self._groups: Optional[Tuple[tuple, Optional[torch.Tensor], Optional[torch.Tensor]]] = None
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))  # router
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * moe_intermediate_size,
                                                      hidden_size, dtype=dtype))
@@ -141,35 +91,8 @@ class SparseMoeBlock(nn.Module):
         probe("combine", out)
         return out
 
-    def _weights_key(self) -> tuple:
-        """What identifies the expert weights' contents short of reading them: the tensors, their
-        storage and their version counters (every in-place write through them bumps it), and the
-        process's optimizer steps (a fused optimizer's writes bump no counter)."""
-        return (self.chunks, _OPTIMIZER_STEPS[0]) + tuple(
-            (id(p), p.data_ptr(), p._version, p.dtype, tuple(p.shape))
-            for p in (self.gate_up_proj, self.down_proj))
-
-    def pack_weight_groups(self) -> int:
-        """(Re)make the column groups of the expert weights from their current values; bytes
-        held (0 where the kernels read none: another CPU build, fp32 weights, a device)."""
-        self._groups = None
-        gu = tk.pack_weight_groups(self.gate_up_proj, self.chunks)
-        dn = tk.pack_weight_groups(self.down_proj, self.chunks)
-        self._groups = (self._weights_key(), gu, dn)   # (key, None, None): nothing to read
-        return self.weight_group_bytes()
-
-    def weight_group_bytes(self) -> int:
-        """Bytes the column groups hold (0: none)."""
-        return 0 if self._groups is None else \
-            sum(t.numel() * t.element_size() for t in self._groups[1:] if t is not None)
-
-    def drop_weight_groups(self) -> None:
-        self._groups = None
-
-    def weight_groups_current(self) -> bool:
-        """True when pack_weight_groups ran on the weights as they are now (and made groups
-        where the kernels read them)."""
-        return self._groups is not None and self._groups[0] == self._weights_key()
+    def _grouped_weights(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return self.gate_up_proj, self.down_proj
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, received: bool = False
                  ) -> torch.Tensor:
@@ -178,12 +101,7 @@ class SparseMoeBlock(nn.Module):
         if not self.fused_experts:
             y = self._per_expert(x, ids, received)
         else:
-            gu = dn = None
-            if self._groups is not None and _READ_GROUPS.get():
-                if self.weight_groups_current():
-                    _, gu, dn = self._groups
-                else:   # the weights changed since: a stale copy is never read
-                    self._groups = None
+            gu, dn = self._read_groups() or (None, None)
             y = tk.moe_experts(x, ids, self.gate_up_proj, self.down_proj,
                                first_expert=self.first_expert, chunks=self.chunks,
                                gate_up_groups=gu, down_groups=dn)
