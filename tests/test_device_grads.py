@@ -20,7 +20,9 @@ MASKS2 = list(itertools.product((True, False), repeat=2))
 MASKS3 = list(itertools.product((True, False), repeat=3))
 CPU_ONLY = {"bf16_pair_step",  # a CPU test helper of the Triton pair step, not a model op
             "amx_tdpbf16ps", "amx_pack_blocks", "amx_linear_blocks",
-            "fma_linear_blocks"}  # tools measuring the CPU's AMX (amx_ops.cpp)
+            "fma_linear_blocks",  # tools measuring the CPU's AMX (amx_ops.cpp)
+            "pack_weight_groups"}  # the CPU kernels' weight layout (tk.pack_weight_groups: None
+#                                    for a device tensor, whose kernels read weights in place)
 
 
 def agree(got, want, what):
