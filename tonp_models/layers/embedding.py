@@ -13,7 +13,7 @@ head (tied or not). Both stay bitwise equal to TP 1:
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -21,7 +21,6 @@ from torch import nn
 import tonp_kernels as tk
 
 from .linear import Shard, _divide, _tp_rank, _tp_size
-from .weight_groups import HoldsWeightGroups
 
 # The vocabulary's chunk tree (tonp_kernels.token_logprobs' default: what TP 1 scores with).
 VOCAB_CHUNKS = tk.DEFAULT_CHUNKS
@@ -88,7 +87,7 @@ class _Lookup(torch.autograd.Function):
         return torch.ops.tonp.embedding_backward(grad, flat, ctx.rows), None
 
 
-class LMHead(HoldsWeightGroups, nn.Module):
+class LMHead(nn.Module):
     """h [..., H] -> fp32 logits [..., V] = h @ W.T, with W [V / t, H] its own or the embedding's
     (tied). Logits are fp32 in every dtype so rollout and training score from the same bits."""
 
@@ -110,17 +109,12 @@ class LMHead(HoldsWeightGroups, nn.Module):
     def _weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied is not None else self.weight
 
-    def _grouped_weights(self) -> Tuple[Optional[torch.Tensor], ...]:
-        return (self._weight(),)   # the rollout engine's column groups (layers/weight_groups.py)
-
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's vocab columns: fp32 [..., V / t] (the whole [..., V] at TP 1)."""
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
             h = copy_to_region(h, self.tp_group)
-        wg = (self._read_groups() or (None,))[0]
-        return tk.linear(h, self._weight(), chunks=self.chunks, out_dtype=torch.float32,
-                         weight_groups=wg)
+        return tk.linear(h, self._weight(), chunks=self.chunks, out_dtype=torch.float32)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on every rank (under TP the shards are gathered: exact)."""

@@ -12,20 +12,16 @@ At TP 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP t:
   tonp_parallel.SequenceSplit) the same tree as a reduce-scatter, keeping this rank's rows.
   The bias comes after.
 Each sharded parameter is described by a `tonp_parallel.Shard` in the module's `shards`.
-Both may keep their bf16 weight also in column groups for the rollout engine's one-row steps
-(layers/weight_groups.py; the same bits).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 import tonp_kernels as tk
 from tonp_parallel.sharding import Shard  # moe.py and embedding.py import it from here too
-
-from .weight_groups import HoldsWeightGroups
 
 
 def _tp_size(group) -> int:
@@ -48,7 +44,7 @@ def _divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
-class ColumnParallelLinear(HoldsWeightGroups, nn.Module):
+class ColumnParallelLinear(nn.Module):
     """y = x @ W.T (+ b) with W [out_features / s, in_features] local. x [..., in] -> [..., out/s].
 
     Args: in_features, out_features (global sizes), bias, chunks (C of the chunk tree over
@@ -80,13 +76,8 @@ class ColumnParallelLinear(HoldsWeightGroups, nn.Module):
             self.shards = {name: Shard(0, start, self.local_out, out_features)
                            for name in ("weight", "bias") if getattr(self, name) is not None}
 
-    def _grouped_weights(self) -> Tuple[Optional[torch.Tensor], ...]:
-        # Shard copies summed per forward (copies > 1) are not the weight: none grouped there.
-        return (self.weight if self.copies == 1 else None,)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        wg = (self._read_groups() or (None,))[0]   # layers/weight_groups.py (engine steps)
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
             if not self.entered:
@@ -95,14 +86,14 @@ class ColumnParallelLinear(HoldsWeightGroups, nn.Module):
                 from tonp_parallel.sharding import sum_over_replicas
                 w = sum_over_replicas(w, self.tp_group, self.copies)
                 b = None if b is None else sum_over_replicas(b, self.tp_group, self.copies)
-        return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype, weight_groups=wg)
+        return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), "
                 f"tp={self.tp_size}, copies={self.copies}, chunks={self.chunks}")
 
 
-class RowParallelLinear(HoldsWeightGroups, nn.Module):
+class RowParallelLinear(nn.Module):
     """y = x @ W.T (+ b) with W [out_features, in_features / t] local; x [..., in/t] -> [..., out].
 
     The input is the column-parallel output of this rank; the result is complete on every rank.
@@ -124,14 +115,10 @@ class RowParallelLinear(HoldsWeightGroups, nn.Module):
             start = _tp_rank(tp_group) * self.local_in
             self.shards = {"weight": Shard(1, start, self.local_in, in_features)}
 
-    def _grouped_weights(self) -> Tuple[Optional[torch.Tensor], ...]:
-        return (self.weight if self.tp_size == 1 else None,)   # TP > 1: linear_partial, in place
-
     def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
         """x [T, in/t] -> [T, out] (under sequence parallelism `sp`: this rank's [n, out])."""
         if self.tp_size == 1:
-            wg = (self._read_groups() or (None,))[0]   # layers/weight_groups.py (engine steps)
-            return tk.linear(x, self.weight, self.bias, chunks=self.chunks, weight_groups=wg)
+            return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
         from tonp_parallel import reduce_from_region
         from .probe import probe
         # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the

@@ -1,7 +1,10 @@
 """Weight column groups: a second copy of a layer's bf16 weights that the CPU kernels' one-row tiles
 read as one stream (tonp_kernels.pack_weight_groups; kernels.h kGroupCols). The same bits as the
-weights in place, the same size again in memory, and faster where a weight meets one row: every
-linear at batch 1, the experts that get one row at larger batches.
+weights in place, the same size again in memory. The MoE experts hold them (an expert routed one
+row: all at batch 1, most at 16), where on the AMD EPYC (Zen 4) they streamed 1.22-1.41x as fast
+on the fast bus and 1.0-1.05x on the slow one. The dense linears and the LM head do not: one long
+weight read in place (eight streams a row apart marching together) ran as fast or faster there
+(0.82-1.02x for the groups on the slow bus; docs/performance.md).
 
 A copy is only as good as its match with the weights, so:
 - only forwards inside `reading_weight_groups()` read it: the rollout engine's steps
