@@ -133,6 +133,23 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
     assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md
 
 
+@pytest.mark.timeout(120)
+def test_weight_groups_bench_smoke_alternates_both_variants_with_the_same_bits(tmp_path):
+    """benchmarks/weight_groups_bench.py --smoke: every round runs the engine with and without
+    the experts' weight groups, their logprobs are bitwise equal, and the report names the
+    kernel table (whose tiles alone read the groups)."""
+    import weight_groups_bench
+    import tonp_kernels as tk
+    data = weight_groups_bench.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["batch"] for r in data["results"]] == [1, 4]
+    for r in data["results"]:
+        assert r["same_bits"] is True and len(r["rounds"]) == 1
+        assert all(x["ratio"] > 0 and len(x["probes"]) == 4 for x in r["rounds"])
+    assert (data["held_bytes"] > 0) == (tk.isa() == "avx512bf16")
+    md = (tmp_path / "weight_groups_smoke.md").read_text()
+    assert f"kernel table **{tk.isa()}**" in md and "| 1 |" in md
+
+
 def test_decode_bench_marks_a_ratio_whose_rounds_saw_different_buses():
     """A tonp / vLLM ratio is marked when the better probe around tonp's reported round and the
     one around vLLM's differ by more than 20% (this VM's bus moves between about 35 and 60 GB/s):
