@@ -12,6 +12,23 @@ The reference path `_per_expert` runs one `linear`/`silu_mul`/`linear` call per 
 fused op's bits (tests/test_model_invariance.py), more Python per step. It serves when
 `fused_experts` is False, and beside the fused op when a probe hook wants detail (layers/probe.py).
 
+Expert weights are 3-D like transformers 5: gate_up_proj [E, 2I, H] (gate rows first),
+down_proj [E, H, I]. Under expert parallelism a rank owns the contiguous id range
+[ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds only those experts:
+
+    route all tokens (router weights replicated)        -> ids, w [M, K]
+    this rank's share of the tokens (TP ranks hold the same tokens: each dispatches a part,
+        so every expert sees each token once)           -> x, ids, w [n, K]
+    (token, slot) rows sorted by expert id = by owner rank; all_to_all the rows (counts first)
+    the owner runs the rows it received through their experts
+    all_to_all the results back; unsort                 -> y [n, K, H]
+    out = moe_combine(w, y)  token-owned, slot order, fp32; then the TP parts are gathered.
+A row's expert output depends only on the row and the expert's weights, and the combine runs
+where the token lives, so EP = 1, 2, 4 give the same bits. Every rank of the EP group must run
+each forward (and backward) together, with any number of tokens (zero included).
+Under sequence parallelism (`sp`) the block gathers the TP group's rows first and keeps this
+rank's rows of the output: inside, every TP rank holds every token, as without SP.
+
 Weight groups (layers/weight_groups.py): the rollout engine keeps the bf16 expert weights also
 in column groups, which the CPU kernels' one-row tiles read as one stream (an expert that gets
 one row: every expert at batch 1, most at 16); the same bits.
