@@ -22,20 +22,14 @@ DEFAULT_CHUNKS = 8
 # Linear and the chunk tree
 # ---------------------------------------------------------------------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           chunks: int = DEFAULT_CHUNKS, out_dtype: Optional[torch.dtype] = None,
-           weight_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+           chunks: int = DEFAULT_CHUNKS, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """y = x @ weight.T + bias. x [..., K], weight [N, K], bias [N] -> [..., N] (x.dtype or out_dtype).
 
     Invariant mode: K is cut into `chunks` equal chunks, each a sequential fp32 FMA chain over k,
     combined by the fixed pairwise tree; one rounding at the output.
-    weight_groups: `pack_weight_groups(weight, chunks)`, a copy the caller keeps current (as
-    moe_experts' groups): the CPU kernels' one-row tiles read it. The same bits.
     """
     chunks = check.integer(chunks, op="linear", name="chunks")
-    fn = impl("linear", x, weight, bias)
-    if weight_groups is None:
-        return fn(x, weight, bias, chunks, out_dtype)
-    return fn(x, weight, bias, chunks, out_dtype, weight_groups)
+    return impl("linear", x, weight, bias)(x, weight, bias, chunks, out_dtype)
 
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, *, chunks: int) -> torch.Tensor:
@@ -177,8 +171,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
 def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
                        ) -> Optional[torch.Tensor]:
     """A bf16 weight [..., N, K] (an expert stack [E, N, K] too) copied into column groups for
-    the CPU kernels' one-row tiles (linear's weight_groups, moe_experts' gate_up_groups /
-    down_groups), or None where
+    the CPU kernels' one-row tiles (moe_experts' gate_up_groups / down_groups), or None where
     this process's kernels read none (only the AVX512-BF16 build does) or the weight is not
     bf16: then nothing is gained, and no memory spent. An exact copy of the bytes, the same size
     as the weight (whole groups of 8 columns; chunks zero padded to 16 elements), shaped

@@ -24,8 +24,7 @@ namespace {
 // Ops
 // ---------------------------------------------------------------------------------------------
 at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                  int64_t chunks, std::optional<at::ScalarType> out_dtype,
-                  const std::optional<at::Tensor>& weight_groups) {
+                  int64_t chunks, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "tonp.linear: x ", x_.sizes(), " and weight ",
                     w.sizes(), " do not match: expected x [M, K] and weight [N, K]");
   const Elem xelem = elem_of(x_, "linear", "x");
@@ -35,7 +34,6 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const int64_t M = x_.size(0), Kd = x_.size(1), N = w.size(0);
   check_chunks(Kd, chunks, "linear");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.linear: at most ", kMaxChunks, " reduction chunks, got ", chunks);
-  const uint16_t* wg = weight_groups_of(weight_groups, w, chunks, "linear", "weight");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "tonp.linear: bias must be [", N, "], got ", bias->sizes());
@@ -54,8 +52,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const int64_t kc = Kd / chunks, xkc = pairs ? bf16_chunk_stride(kc) : kc;
   const at::Tensor x = pairs ? pad_bf16_chunks(x_, chunks) : f32_contiguous(x_);
   // The weight is read in place (no packed copy is cached), so a weight rewritten in any way
-  // (optimizer step, .data copy, inference tensor) is always seen; only a caller's own copy in
-  // column groups (weight_groups, its owner's to keep current) is read beside it.
+  // (optimizer step, .data copy, inference tensor) is always seen. (Column groups serve the
+  // experts only: at one row the dense linears ran as fast or faster in place.)
   const at::Tensor wc = w.contiguous();
   const Kernels* kern = K();
   const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs ? bf16_row_block(M) : row_block(M, kern->row_block_f32);
@@ -86,7 +84,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                                 scratch.get(),
                                 static_cast<const uint16_t*>(
                                     xpack.of(mb, reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, rows, int(chunks))),
-                                wg ? wg + p * pw / kGroupCols * weight_group_elems(Kd, chunks) : nullptr);
+                                nullptr);
       else
         kern->linear_panel(reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, wp + p * pw * Kd * esz, Kd, welem,
                            kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
