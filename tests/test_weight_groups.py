@@ -97,8 +97,11 @@ def test_bad_groups_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="not bfloat16"):
         tk.moe_experts(x.float(), ids, gu.float(), dn.float(), chunks=4,
                        gate_up_groups=torch.zeros(8, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="contiguous bfloat16"):
+    with pytest.raises(TypeError, match="contiguous bfloat16 CPU tensor"):
         tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=torch.zeros(8))
+    if gug is not None:
+        with pytest.raises(TypeError, match="not contiguous"):
+            tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=gug.transpose(0, 1))
     assert tk.pack_weight_groups(gu.float(), 4) is None          # fp32: nothing to gain
     assert tk.pack_weight_groups(torch.zeros(4, 64).bfloat16(), 2) is None   # N < 8
     with pytest.raises(ValueError, match="chunks must be a power of two"):
@@ -107,30 +110,20 @@ def test_bad_groups_are_refused_with_the_reason():
         tk.pack_weight_groups(gu, 16)
 
 
-@pytest.mark.parametrize("N,K,chunks", [(64, 128, 8), (200, 72, 2), (37, 40, 4), (512, 2048, 8)])
-def test_linear_with_groups_is_bitwise_in_place(N, K, chunks):
-    """linear's weight_groups (the op takes them as moe_experts does; the model's dense linears do
-    not keep any): every row count, bias, an fp32 output, N not a multiple of 8, chunks not a
-    multiple of 16: the in-place bits."""
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(N, K, generator=g).bfloat16()
-    bias = torch.randn(N, generator=g).bfloat16()
-    wg = _packed(w, chunks)
-    for M in (1, 2, 3, 8, 33):
-        x = torch.randn(M, K, generator=g).bfloat16()
-        for kw in (dict(), dict(bias=bias), dict(out_dtype=torch.float32)):
-            assert_bitwise(tk.linear(x, w, chunks=chunks, weight_groups=wg, **kw),
-                           tk.linear(x, w, chunks=chunks, **kw), f"M={M} {sorted(kw)}")
-    other = _packed(torch.randn(N, K, generator=g).bfloat16(), chunks)
-    x = torch.randn(1, K, generator=g).bfloat16()
-    assert not torch.equal(tk.linear(x, w, chunks=chunks, weight_groups=other),
-                           tk.linear(x, w, chunks=chunks))       # the twin: one row reads them
-    x = torch.randn(2, K, generator=g).bfloat16()
-    assert_bitwise(tk.linear(x, w, chunks=chunks, weight_groups=other),
-                   tk.linear(x, w, chunks=chunks), "two rows read in place")
-    with pytest.raises(ValueError, match="weight_groups has shape"):
-        tk.linear(x, w, chunks=chunks // 2 or 1, weight_groups=wg) if chunks > 1 else \
-            tk.linear(x, w[:N - 8], chunks=chunks, weight_groups=wg)
+@pytest.mark.parametrize("env", [("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
+def test_other_builds_make_no_groups_and_ignore_given_ones(env, monkeypatch):
+    """The kernel table is chosen at every call: under the AVX2 and portable tables (whose tiles
+    read W in place) pack_weight_groups makes none, and groups made by the AVX512-BF16 table are
+    ignored there: the same bits as that table's in place, and as with no groups at all."""
+    gu, dn = _experts(6, 64, 256)
+    gug, dng = _packed(gu, 8), _packed(dn, 8)
+    x = torch.randn(3, 256).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])          # one row an expert: the group tiles
+    want = tk.moe_experts(x, ids, gu, dn)
+    monkeypatch.setenv(*env)
+    assert tk.isa() != "avx512bf16" and tk.pack_weight_groups(gu, 8) is None
+    assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), want,
+                   f"{env[0]} with groups")
 
 
 def _block():
@@ -196,6 +189,8 @@ def test_rollout_with_groups_is_bitwise_the_training_forward():
     assert all(b._groups is None for b in blocks)
     with pytest.raises(TypeError, match="weight_groups must be True or False"):
         generate(m, ps, 1, weight_groups=1)
+    with pytest.raises(TypeError, match="weight_groups must be True or False"):
+        Engine(m, weight_groups="no")
 
 
 def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():

@@ -205,8 +205,9 @@ inline const uint16_t* weight_groups_of(const std::optional<at::Tensor>& g, cons
   TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16, "tonp.", op, ": ", what,
                     "_groups given for a weight that is not bfloat16 (", w.scalar_type(),
                     "): column groups serve bf16 weights only");
-  TORCH_CHECK_TYPE(g->scalar_type() == at::kBFloat16 && g->is_contiguous(), "tonp.", op, ": ", what,
-                   "_groups must be a contiguous bfloat16 tensor (pack_weight_groups' result), got ", g->scalar_type());
+  TORCH_CHECK_TYPE(g->scalar_type() == at::kBFloat16 && g->is_contiguous() && g->is_cpu(), "tonp.", op, ": ", what,
+                   "_groups must be a contiguous bfloat16 CPU tensor (pack_weight_groups' result), got ",
+                   g->scalar_type(), " on ", g->device(), g->is_contiguous() ? "" : ", not contiguous");
   const std::vector<int64_t> want = weight_groups_shape(w, chunks);
   TORCH_CHECK_VALUE(g->sizes() == at::IntArrayRef(want), "tonp.", op, ": ", what, "_groups has shape ", g->sizes(),
                     ", but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " has ",

@@ -64,6 +64,9 @@ class Engine:
                  max_step_tokens: Optional[int] = None, strict: bool = False,
                  who: str = "engine", lockstep_group=None, weight_groups: bool = True):
         c = model.config
+        if not isinstance(weight_groups, bool):
+            raise TypeError(f"{who}: weight_groups must be True or False, got "
+                            f"{type(weight_groups).__name__}")
         self.model, self.who, self.strict = model, who, strict
         self.max_seq_len = max_seq_len or c.max_position_embeddings
         if max_batch_size < 1 or (num_pages is not None and num_pages < 1):
