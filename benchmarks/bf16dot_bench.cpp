@@ -68,7 +68,7 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
                              N, Elem::BF16, scratch.get(), in_pairs ? xpp : nullptr, nullptr);
       else
         k->linear_panel(xf.data() + r0 * K, K, rows, w.data() + p * pw * K, K, Elem::BF16, kc, chunks, nullptr, ncols,
-                        o, N, Elem::BF16, scratch.get(), lanes_packed ? xl.get() : nullptr);
+                        o, N, Elem::BF16, scratch.get(), lanes_packed ? xl.get() : nullptr, nullptr);
     }
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -178,7 +178,7 @@ static int run(int64_t R, int64_t K, int64_t N, int64_t E, int repeats) {
           if (lanes && packed != ex) { k->pack_lanes(xe, K, R, kc, chunks, xl.data()); packed = ex; }
           if (m == 0)
             k->linear_panel(xe, K, R, w.data() + cp * E * N * K + (ex * N + p * kPanel) * K, K, Elem::F32, kc, chunks,
-                            nullptr, ncols, o, N, Elem::F32, scratch.data(), lanes ? xl.data() : nullptr);
+                            nullptr, ncols, o, N, Elem::F32, scratch.data(), lanes ? xl.data() : nullptr, nullptr);
           else
             panel_pk(xl.data(), R, wpk.data() + cp * E * np * kPanel * K + (ex * np + p) * kPanel * K, kc, chunks,
                      ncols, o, N, pbuf.data(), m == 2 ? 1024 : 0);

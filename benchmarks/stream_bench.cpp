@@ -99,7 +99,7 @@ void panels(const Kernels* k, const std::vector<float>& W, int64_t E, int64_t N,
       for (int64_t t = 0; t < E * np; ++t) {
         const int64_t e = t / np, p = t % np;
         k->linear_panel(x.data(), K, rows, W.data() + (e * N + p * kPanel) * K, K, Elem::F32, kc, chunks, nullptr,
-                        kPanel, out.data(), kPanel, Elem::F32, scratch.data(), xl.empty() ? nullptr : xl.data());
+                        kPanel, out.data(), kPanel, Elem::F32, scratch.data(), xl.empty() ? nullptr : xl.data(), nullptr);
       }
     }
     best = std::min(best, now() - t0);

@@ -1,12 +1,12 @@
-"""The bf16 experts' weight column groups (layers/moe.py, kernels.h kGroupCols) in the decode step:
-the same 30B-A3B-shaped bf16 model and prompts as decode_bench.py, decoded by tonp with the
+"""The experts' weight column groups (layers/moe.py, kernels.h kGroupCols) in the decode step: the
+same 30B-A3B-shaped model (bf16 and fp32) and prompts as decode_bench.py, decoded by tonp with the
 engine's weight groups and without (weight_groups=False: every expert read in place), the two
 alternated round by round in one process, the read bandwidth probed around each round.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/weight_groups_bench.py       # ~6 min
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/weight_groups_bench.py       # ~12 min
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/weight_groups_bench.py --smoke
 
-Per batch and bus state (rounds grouped by the read probes around them): the ratio of the two
+Per dtype, batch and bus state (rounds grouped by the read probes around them): the ratio of the two
 variants' median decode steps round by round (in place / groups: > 1 is a gain), whether their
 logprobs are bitwise equal (torch.equal: they must be), and the bytes the groups hold. Only the AVX512-BF16 build reads groups; elsewhere both
 variants are the in-place kernels and the report says so. Writes
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
 from benchlib import RESULTS_DIR, log, machine_meta, md_table, write_results  # noqa: E402
-from decode_bench import make_config, tonp_run  # noqa: E402
+from decode_bench import DTYPES, make_config, tonp_run  # noqa: E402
 
 import tonp_kernels as tk  # noqa: E402
 from tonp_models import Qwen3MoeForCausalLM  # noqa: E402
@@ -38,6 +38,7 @@ FAST = 45.0   # GB/s: a probe at or above it saw this VM's fast bus state
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
@@ -57,15 +58,18 @@ def main(argv=None) -> dict:
     cfg = make_config(a)
     meta = machine_meta()
     mib = 64 if a.smoke else 256
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(0)
     all_prompts = torch.randint(0, cfg.vocab_size, (max(batches), a.prompt_len), generator=g)
     log(f"weight_groups_bench: {meta['cpu']}, isa {meta['isa']}, {meta['threads']} threads")
-    tonp_run(model, all_prompts[:1].tolist(), 2)                  # packs the groups once
-    held = sum(m.weight_group_bytes() for m in model.modules() if hasattr(m, "weight_group_bytes"))
-    rows, results = [], []
-    for b in batches:
+    rows, results, held = [], [], {}
+    for dname, b in [(d, b) for d in a.dtypes.split(",") for b in batches]:
+        if b == batches[0]:
+            model = None
+            torch.manual_seed(0)
+            model = Qwen3MoeForCausalLM(cfg, dtype=DTYPES[dname]).eval()
+            tonp_run(model, all_prompts[:1].tolist(), 2)                  # packs the groups once
+            held[dname] = sum(m.weight_group_bytes() for m in model.modules()
+                              if hasattr(m, "weight_group_bytes"))
         prompts = all_prompts[:b].tolist()
         pairs = []   # one round: both variants back to back (order alternating), their probes
         for k in range(a.rounds):
@@ -77,7 +81,7 @@ def main(argv=None) -> dict:
                 rnd[on] = t
             pairs.append(rnd)
         same = all(torch.equal(p[True]["logprobs0"], p[False]["logprobs0"]) for p in pairs)
-        r = {"batch": b, "same_bits": same, "rounds": [
+        r = {"dtype": dname, "batch": b, "same_bits": same, "rounds": [
             {"groups_step_s": p[True]["step_s"], "in_place_step_s": p[False]["step_s"],
              "ratio": p[False]["step_s"] / p[True]["step_s"],
              "probes": p[True]["probes"] + p[False]["probes"]} for p in pairs]}
@@ -88,26 +92,26 @@ def main(argv=None) -> dict:
             if not rs:
                 continue
             ratios = sorted(x["ratio"] for x in rs)
-            rows.append([str(b), state, str(len(rs)),
+            rows.append([dname, str(b), state, str(len(rs)),
                          f"{1e3 * min(x['in_place_step_s'] for x in rs):.1f}",
                          f"{1e3 * min(x['groups_step_s'] for x in rs):.1f}",
                          f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                          "/".join(f"{v:.0f}" for v in (min(min(x['probes']) for x in rs),
                                                        max(max(x['probes']) for x in rs))),
                          "yes" if same else "**NO**"])
-            log(f"  batch {b}, {state} bus: {len(rs)} rounds, in place / groups "
+            log(f"  {dname} batch {b}, {state} bus: {len(rs)} rounds, in place / groups "
                 f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
-        log(f"  batch {b}: same bits {same}")
+        log(f"  {dname} batch {b}: same bits {same}")
     reads = tk.isa() == "avx512bf16"
-    md = [f"# Weight column groups in the bf16 decode step ({'smoke' if a.smoke else 'full'})", "",
+    md = [f"# Weight column groups in the decode step ({'smoke' if a.smoke else 'full'})", "",
           f"{meta['cpu']}, kernel table **{meta['isa']}**, {meta['threads']} threads; "
           + ("the tiny 1-layer model" if a.smoke else
-             f"{a.layers}-layer 30B-A3B-shaped bf16 model") + f", vocab {cfg.vocab_size}, "
-          f"{a.prompt_len}-token prompts, {a.new} greedy tokens, {a.rounds} rounds. "
-          f"Groups held: {held / 2**20:.2f} MiB."
+             f"{a.layers}-layer 30B-A3B-shaped model") + f", vocab {cfg.vocab_size}, "
+          f"{a.prompt_len}-token prompts, {a.new} greedy tokens, {a.rounds} rounds. Groups held: "
+          + ", ".join(f"{d} {v / 2**20:.2f} MiB" for d, v in held.items()) + "."
           + ("" if reads else " This table reads no groups: both columns are the in-place "
              "kernels."), "",
-          md_table(["batch", "bus", "rounds", "in place ms/step (best)", "groups ms/step (best)",
+          md_table(["dtype", "batch", "bus", "rounds", "in place ms/step (best)", "groups ms/step (best)",
                     "in place / groups: median (range)", "probes GB/s (min/max)", "same bits"],
                    rows), "",
           f"A round runs both variants back to back (their order alternating) with the read "

@@ -141,13 +141,14 @@ def test_weight_groups_bench_smoke_alternates_both_variants_with_the_same_bits(t
     import weight_groups_bench
     import tonp_kernels as tk
     data = weight_groups_bench.main(["--smoke", "--out", str(tmp_path)])
-    assert [r["batch"] for r in data["results"]] == [1, 4]
+    assert [(r["dtype"], r["batch"]) for r in data["results"]] == [
+        ("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)]
     for r in data["results"]:
         assert r["same_bits"] is True and len(r["rounds"]) == 1
         assert all(x["ratio"] > 0 and len(x["probes"]) == 4 for x in r["rounds"])
-    assert (data["held_bytes"] > 0) == (tk.isa() == "avx512bf16")
+    assert all((v > 0) == (tk.isa() == "avx512bf16") for v in data["held_bytes"].values())
     md = (tmp_path / "weight_groups_smoke.md").read_text()
-    assert f"kernel table **{tk.isa()}**" in md and "| 1 |" in md
+    assert f"kernel table **{tk.isa()}**" in md and "| bf16 | 1 |" in md and "| fp32 | 4 |" in md
 
 
 def test_decode_bench_marks_a_ratio_whose_rounds_saw_different_buses():

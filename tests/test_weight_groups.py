@@ -1,5 +1,5 @@
-"""Weight column groups (kernels.h kGroupCols; tonp_kernels.pack_weight_groups): a copy of the bf16
-expert weights that the AVX512-BF16 build's one-row tiles read as one stream. The copy changes
+"""Weight column groups (kernels.h kGroupCols; tonp_kernels.pack_weight_groups): a copy of the expert
+weights (bf16 or fp32) that the AVX512-BF16 build's one-row tiles read as one stream. The copy changes
 where the bytes are read from, never a bit; where it is read is owned by the engine, so a stale
 copy can never reach a training or scoring forward.
 
@@ -21,10 +21,14 @@ from tonp_models.layers.weight_groups import reading_weight_groups
 READS_GROUPS = tk.isa() == "avx512bf16"
 
 
-def _experts(E, I, H, seed=0):
+DTYPES = [torch.bfloat16, torch.float32]
+BLOCK = {torch.bfloat16: 16, torch.float32: 8}   # a tile step: elements of a column side by side
+
+
+def _experts(E, I, H, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(E, 2 * I, H, generator=g).bfloat16(),
-            torch.randn(E, H, I, generator=g).bfloat16())
+    return (torch.randn(E, 2 * I, H, generator=g).to(dtype),
+            torch.randn(E, H, I, generator=g).to(dtype))
 
 
 def _packed(w, chunks):
@@ -35,47 +39,54 @@ def _packed(w, chunks):
     return p
 
 
-def test_pack_layout_is_the_columns_blocks_side_by_side():
-    """Group g, chunk c, block b holds columns 8g..8g+7's elements c*kc + 16b .. + 16, zero past kc."""
-    w = torch.arange(16 * 40, dtype=torch.float32).reshape(16, 40).bfloat16()  # N = 16, K = 40
-    p = _packed(w, 2)                                      # kc = 20 -> two blocks a chunk
-    assert p.shape == (2, 2, 2 * 8 * 16) and p.dtype == torch.bfloat16   # [group][chunk][...]
-    v = p.view(2, 2, 2, 8, 16)                             # [group][chunk][block][col][16]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_layout_is_the_columns_blocks_side_by_side(dtype):
+    """Group g, chunk c, block b holds columns 8g..8g+7's elements c*kc + B*b .. + B, zero past
+    kc (B: 16 bf16 or 8 fp32 elements, one step of the tile)."""
+    B = BLOCK[dtype]
+    w = torch.arange(16 * 40, dtype=torch.float32).reshape(16, 40).to(dtype)  # N = 16, K = 40
+    p = _packed(w, 2)                                      # kc = 20 -> 2 (bf16) or 3 (fp32) blocks
+    nb = -(-20 // B)
+    assert p.shape == (2, 2, nb * 8 * B) and p.dtype == dtype   # [group][chunk][...]
+    v = p.view(2, 2, nb, 8, B)                             # [group][chunk][block][col][B]
     for g in range(2):
         for c in range(2):
-            for b in range(2):
+            for b in range(nb):
                 for j in range(8):
-                    n, k0 = 8 * g + j, 20 * c + 16 * b
-                    want = torch.zeros(16, dtype=torch.bfloat16)
-                    m = min(16, 20 - 16 * b)
+                    n, k0 = 8 * g + j, 20 * c + B * b
+                    want = torch.zeros(B, dtype=dtype)
+                    m = min(B, 20 - B * b)
                     want[:m] = w[n, k0:k0 + m]
                     assert torch.equal(v[g, c, b, j], want), (g, c, b, j)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("E,I,H,chunks", [(8, 96, 128, 8), (4, 40, 72, 2), (6, 64, 2048, 8),
-                                           (3, 48, 200, 4), (5, 36, 64, 1)])
-def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks):
+                                           (3, 48, 200, 4), (5, 36, 64, 1), (3, 44, 84, 2)])
+def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
     """Every row count (one row an expert reads the groups; more rows read in place), chunks whose
-    size is not a multiple of 16 (zero-padded blocks), N not a multiple of 8 (the last columns in
-    place): the same bits as without the copy."""
-    gu, dn = _experts(E, I, H)
+    size is not a multiple of the block (zero-padded blocks, the tile's tail step), N not a
+    multiple of 8 (the last columns in place) or of 16 (an edge panel): the same bits as without
+    the copy."""
+    gu, dn = _experts(E, I, H, dtype=dtype)
     gug, dng = _packed(gu, chunks), _packed(dn, chunks)
     g = torch.Generator().manual_seed(1)
     for M in (1, 2, 3, 5, 9, 17, 40):
-        x = torch.randn(M, H, generator=g).bfloat16()
+        x = torch.randn(M, H, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(M)])
         want = tk.moe_experts(x, ids, gu, dn, chunks=chunks)
         got = tk.moe_experts(x, ids, gu, dn, chunks=chunks, gate_up_groups=gug, down_groups=dng)
         assert_bitwise(got, want, f"M={M}")
 
 
-def test_the_kernel_reads_the_groups_it_is_given():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so
     the equality above compares a path that really reads them) and leave a multi-row one alone."""
-    gu, dn = _experts(8, 96, 128)
-    other_gu, other_dn = _experts(8, 96, 128, seed=5)
+    gu, dn = _experts(8, 96, 128, dtype=dtype)
+    other_gu, other_dn = _experts(8, 96, 128, seed=5, dtype=dtype)
     gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
-    x = torch.randn(2, 128).bfloat16()
+    x = torch.randn(2, 128).to(dtype)
     one = torch.tensor([[0, 1], [2, 3]])        # every expert one row: the group tiles
     assert not torch.equal(tk.moe_experts(x, one, gu, dn, gate_up_groups=gug, down_groups=dng),
                            tk.moe_experts(x, one, gu, dn))
@@ -94,15 +105,14 @@ def test_bad_groups_are_refused_with_the_reason():
             tk.moe_experts(x, ids, gu, dn, chunks=8, gate_up_groups=gug)
         with pytest.raises(ValueError, match="down_groups has shape"):
             tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=gug, down_groups=gug)
-    with pytest.raises(ValueError, match="not bfloat16"):
+    with pytest.raises(TypeError, match="contiguous CPU tensor of the weight's dtype Float .*got BFloat16"):
         tk.moe_experts(x.float(), ids, gu.float(), dn.float(), chunks=4,
                        gate_up_groups=torch.zeros(8, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="contiguous bfloat16 CPU tensor"):
+    with pytest.raises(TypeError, match="contiguous CPU tensor of the weight's dtype BFloat16 .*got Float"):
         tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=torch.zeros(8))
     if gug is not None:
         with pytest.raises(TypeError, match="not contiguous"):
             tk.moe_experts(x, ids, gu, dn, chunks=4, gate_up_groups=gug.transpose(0, 1))
-    assert tk.pack_weight_groups(gu.float(), 4) is None          # fp32: nothing to gain
     assert tk.pack_weight_groups(torch.zeros(4, 64).bfloat16(), 2) is None   # N < 8
     with pytest.raises(ValueError, match="chunks must be a power of two"):
         tk.pack_weight_groups(gu, 3)
@@ -110,14 +120,15 @@ def test_bad_groups_are_refused_with_the_reason():
         tk.pack_weight_groups(gu, 16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("env", [("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
-def test_other_builds_make_no_groups_and_ignore_given_ones(env, monkeypatch):
+def test_other_builds_make_no_groups_and_ignore_given_ones(env, dtype, monkeypatch):
     """The kernel table is chosen at every call: under the AVX2 and portable tables (whose tiles
     read W in place) pack_weight_groups makes none, and groups made by the AVX512-BF16 table are
     ignored there: the same bits as that table's in place, and as with no groups at all."""
-    gu, dn = _experts(6, 64, 256)
+    gu, dn = _experts(6, 64, 256, dtype=dtype)
     gug, dng = _packed(gu, 8), _packed(dn, 8)
-    x = torch.randn(3, 256).bfloat16()
+    x = torch.randn(3, 256).to(dtype)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])          # one row an expert: the group tiles
     want = tk.moe_experts(x, ids, gu, dn)
     monkeypatch.setenv(*env)
@@ -126,25 +137,27 @@ def test_other_builds_make_no_groups_and_ignore_given_ones(env, monkeypatch):
                    f"{env[0]} with groups")
 
 
-def _block():
+def _block(dtype=torch.bfloat16):
     torch.manual_seed(0)
-    b = SparseMoeBlock(256, 96, 16, 4, True, dtype=torch.bfloat16)
+    b = SparseMoeBlock(256, 96, 16, 4, True, dtype=dtype)
     with torch.no_grad():
         for p in b.parameters():
             p.normal_(std=0.05)
     return b
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.no_grad()
-def test_only_a_forward_inside_reading_weight_groups_reads_them():
+def test_only_a_forward_inside_reading_weight_groups_reads_them(dtype):
     """A training or scoring forward never reads the copy (corrupted here to show which path
     ran); inside the engine's context it does, and a copy whose weights changed is dropped."""
-    b, x = _block(), torch.randn(1, 256).bfloat16()
+    b, x = _block(dtype), torch.randn(1, 256).to(dtype)
     want = b(x)
     b.pack_weight_groups()
-    def padded_bytes(w):   # whole groups of 8 columns, each chunk padded to 16 elements
+    B = BLOCK[dtype]
+    def padded_bytes(w):   # whole groups of 8 columns, each chunk padded to the block
         E, N, K = w.shape
-        return E * (N // 8 * 8) * b.chunks * (-(-K // b.chunks // 16) * 16) * 2
+        return E * (N // 8 * 8) * b.chunks * (-(-K // b.chunks // B) * B) * w.element_size()
     assert b.weight_group_bytes() == (0 if not READS_GROUPS else
                                       padded_bytes(b.gate_up_proj) + padded_bytes(b.down_proj))
     with reading_weight_groups():
@@ -162,11 +175,12 @@ def test_only_a_forward_inside_reading_weight_groups_reads_them():
     assert b._groups is None
 
 
-def test_rollout_with_groups_is_bitwise_the_training_forward():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rollout_with_groups_is_bitwise_the_training_forward(dtype):
     """generate() with the copy (the default) and without: the same tokens and logprobs, and
     logdiff 0 against the training forward; the model keeps the copy for the next call until
     drop_weight_groups()."""
-    m = tiny_model(torch.bfloat16)
+    m = tiny_model(dtype)
     ps = prompts()
     with_groups = generate(m, ps, 10, max_batch_size=4)
     blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]

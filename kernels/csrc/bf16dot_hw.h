@@ -377,7 +377,7 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
     // Weight groups serve a lone row only: with more rows the row tiles read these columns in
     // place, and the odd row's tile finds them in L1 there (the group would be a second read).
     const uint16_t* wg = wgroups && rows == 1
-                             ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks)
+                             ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks, tonp::Elem::BF16)
                              : nullptr;
     int64_t r = 0;
     auto tile = [&](auto mr) {

@@ -94,18 +94,23 @@ inline int64_t bf16_row_block(int64_t M) {
 inline bool bf16_packs_pairs(int64_t rows, int64_t kc) { return rows > 1 && !bf16_lane_passes(rows, kc, true); }
 inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc; }
 
-// A bf16 weight's columns in groups of kGroupCols for the one-row dot tiles (bf16dot_hw.h): group
-// g holds columns kGroupCols * g + j, j < kGroupCols, as [chunk c][block b][j][16] bf16, block b of
-// chunk c being the column's elements c * kc + 16 * b .. + 16 (zero past kc). A one-row tile reads
-// its eight columns' blocks side by side: one stream of the group's bytes, where in place it reads
-// eight streams a weight row apart (on the AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row
-// each: gate_up K = 2048 1.22-1.31x, down K = 768 1.26-1.41x; docs/history/performance-decode.md).
-// Only the layout differs: the same blocks meet the same steps, so the bits are the in-place ones.
-// A copy the caller owns (Kernels::weight_groups; pack_weight_groups in ops.cpp); columns past the
-// last whole group are read in place.
+// A weight's columns in groups of kGroupCols for the one-row dot tiles: group g holds columns
+// kGroupCols * g + j, j < kGroupCols, as [chunk c][block b][j][block] elements, block b of chunk c
+// being the column's elements c * kc + block * b .. + block (zero past kc); a block is one step of
+// the tile: 16 elements for bf16 weights (a pair-chain step, bf16dot_hw.h), 8 for fp32 (a V8
+// FMA step, linear_impl.h). A one-row tile reads its eight columns' blocks side by side: one
+// stream of the group's bytes, where in place it reads eight streams a weight row apart (on the
+// AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row each, bf16: gate_up K = 2048 1.22-1.31x,
+// down K = 768 1.26-1.41x; docs/history/performance-decode.md). Only the layout differs: the
+// same blocks meet the same steps, so the bits are the in-place ones. A copy the caller owns
+// (Kernels::weight_groups; pack_weight_groups in ops.cpp); columns past the last whole group are
+// read in place.
 constexpr int kGroupCols = 8;
-inline int64_t weight_group_elems(int64_t K, int64_t chunks) {
-  return chunks * bf16_chunk_stride(K / chunks) * kGroupCols;
+inline int64_t f32_chunk_stride(int64_t kc) { return (kc + 7) / 8 * 8; }
+inline int64_t group_chunk_stride(int64_t kc, Elem w) { return w == Elem::F32 ? f32_chunk_stride(kc) : bf16_chunk_stride(kc); }
+inline int64_t group_block(Elem w) { return w == Elem::F32 ? 8 : 16; }
+inline int64_t weight_group_elems(int64_t K, int64_t chunks, Elem w) {
+  return chunks * group_chunk_stride(K / chunks, w) * kGroupCols;
 }
 
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
@@ -134,9 +139,12 @@ struct Kernels {
   // welem, lane_rows_f32) floats (uninitialised). xl: where the call runs lane passes
   // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
   // those lane passes read x there; the same operands in the same order); otherwise null.
+  // wgroups: where the table has weight_groups and W is fp32, W's columns in groups (the first
+  // column's group; weight_group_elems(kc * chunks, chunks, F32) a group), or null: a one-row
+  // call's tiles read whole groups there; the rest reads W. The same bits either way.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
-                       int64_t ldo, Elem oelem, float* scratch, const float* xl);
+                       int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
   // Causal attention for one query position and one KV head (G query heads), online softmax
   // over key blocks of `block` positions aligned to position 0.
   void (*attention)(const AttnQuery& a, int G, int D, int block, Elem kv, float scale,
@@ -155,7 +163,7 @@ struct Kernels {
   // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
   // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
   // otherwise as linear_panel. wgroups: where the table has weight_groups, W's columns in groups
-  // (the first column's group; weight_group_elems(kc * chunks, chunks) a group), or null: its
+  // (the first column's group; weight_group_elems(kc * chunks, chunks, BF16) a group), or null: its
   // one-row tiles read whole groups there; the rest reads W. The same bits either way.
   // scratch: linear_scratch_bf16(chunks, K, rows) floats. xpairs: where the table has pack_pairs
   // and bf16_packs_pairs(rows, kc), the same rows packed by it (required: those dot products read
@@ -195,8 +203,10 @@ struct Kernels {
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
-  // Whether linear_panel_bf16 reads weight groups (kGroupCols) when given them: the tables whose
-  // one-row tiles are on the instruction. Elsewhere a packed copy would be memory for nothing.
+  // Whether linear_panel_bf16 (bf16 weights) and linear_panel (fp32 weights) read weight groups
+  // (kGroupCols) when given them: the AVX-512 table, where they were measured to pay (its bf16
+  // one-row tiles on the instruction, its fp32 ones on zmm registers). Elsewhere a packed copy
+  // would be memory for nothing.
   bool weight_groups;
 };
 

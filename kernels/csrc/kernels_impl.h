@@ -2,6 +2,8 @@
 // that ISA. Only lane-wise V8 operations and the fixed hsum trees appear here, so every ISA
 // computes the same bits. Each function computes complete outputs; nothing here splits a
 // reduction across threads.
+#include <type_traits>
+
 #include "kernels.h"
 #include "simd.h"
 

@@ -119,8 +119,8 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
                                int64_t first_expert, int64_t chunks, at::Tensor* gate_up_out,
                                const std::optional<at::Tensor>& gu_groups, const std::optional<at::Tensor>& dn_groups) {
   check_experts(x_, ids_, gu_, dn_, chunks);
-  const uint16_t* gug = weight_groups_of(gu_groups, gu_, chunks, "moe_experts", "gate_up");
-  const uint16_t* dng = weight_groups_of(dn_groups, dn_, chunks, "moe_experts", "down");
+  const void* gug = weight_groups_of(gu_groups, gu_, chunks, "moe_experts", "gate_up");
+  const void* dng = weight_groups_of(dn_groups, dn_, chunks, "moe_experts", "down");
   const Elem xe = elem_of(x_, "moe_experts", "x"), we = elem_of(gu_, "moe_experts", "gate_up");
   const int64_t M = x_.size(0), Kk = ids_.size(1), H = x_.size(1), E = gu_.size(0), I = dn_.size(2), R = M * Kk;
   at::Tensor y = empty_big({M, Kk, H}, x_.options());
@@ -177,11 +177,11 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     for (int64_t j = b; j < en; ++j) put_row(xp + (order[j] / Kk) * H * xsz, xe, H, xkH, xgp + j * ldH * isz);
   });
   // One stage: for every block, rows x (weight[e] [N, Kd] -> out [rows, N] in x's dtype).
-  // wg: the weight's column groups (null: in place), weight_group_elems(Kd, chunks) a group, N / 8
-  // groups an expert.
-  auto stage = [&](const char* in, int64_t ld, int64_t xk, int64_t Kd, const char* w, const uint16_t* wg, int64_t N,
+  // wg: the weight's column groups (null: in place), weight_group_elems(Kd, chunks, we) elements
+  // a group, N / 8 groups an expert.
+  auto stage = [&](const char* in, int64_t ld, int64_t xk, int64_t Kd, const char* w, const void* wg, int64_t N,
                    char* out) {
-    const int64_t gsz = weight_group_elems(Kd, chunks), gexp = N / kGroupCols * gsz;
+    const int64_t gsz = weight_group_elems(Kd, chunks, we), gexp = N / kGroupCols * gsz;
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32));
@@ -197,11 +197,13 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
                                   reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
                                   scratch.get(),
                                   static_cast<const uint16_t*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
-                                  wg ? wg + k.e * gexp + p * pw / kGroupCols * gsz : nullptr);
+                                  wg ? static_cast<const uint16_t*>(wg) + k.e * gexp + p * pw / kGroupCols * gsz : nullptr);
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
                              nullptr, ncols, o, N, xe, scratch.get(),
-                             static_cast<const float*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))));
+                             static_cast<const float*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
+                             wg && we == Elem::F32 ? static_cast<const float*>(wg) + k.e * gexp + p * pw / kGroupCols * gsz
+                                                   : nullptr);
       }
     });
   };

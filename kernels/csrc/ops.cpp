@@ -90,33 +90,35 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                            kc, int(chunks), bp ? bp + p * pw : nullptr, ncols, op + (r0 * N + p * pw) * osz, N,
                            oelem, scratch.get(),
                            static_cast<const float*>(
-                               xpack.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks))));
+                               xpack.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks))),
+                           nullptr);
     }
   });
   return out;
 }
 
-// A bf16 weight [..., N, K]'s columns in groups of kGroupCols (kernels.h), for linear_panel_bf16's
-// one-row tiles: [..., N / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(K / chunks)] (the
-// chunks in the shape, so a copy made for other chunks is refused), an exact copy (zero
-// padded where a chunk is not a multiple of 16 elements; columns past the last whole group are
-// left out: the kernel reads them in place). Empty where this process's table reads no groups
-// or the weight is not bf16: nothing to gain, so no memory spent.
+// A weight [..., N, K]'s columns in groups of kGroupCols (kernels.h), for the one-row tiles
+// (linear_panel_bf16's for bf16 weights, linear_panel's for fp32):
+// [..., N / kGroupCols, chunks, kGroupCols * padded chunk] (the chunks in the shape, so a copy
+// made for other chunks is refused), an exact copy (zero padded where a chunk is not a multiple
+// of the block, 16 bf16 or 8 fp32 elements; columns past the last whole group are left out: the
+// kernel reads them in place). Empty where this process's table reads no groups: nothing to gain,
+// so no memory spent.
 at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   TORCH_CHECK_VALUE(w.dim() >= 2, "tonp.pack_weight_groups: weight must be [..., N, K], got shape ", w.sizes());
   const int64_t N = w.size(-2), Kd = w.size(-1);
   check_chunks(Kd, chunks, "pack_weight_groups");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.pack_weight_groups: at most ", kMaxChunks, " reduction chunks, got ", chunks);
-  elem_of(w, "pack_weight_groups", "weight");
+  const Elem we = elem_of(w, "pack_weight_groups", "weight");
   const int64_t G = N / kGroupCols;
-  if (!K()->weight_groups || w.scalar_type() != at::kBFloat16 || G == 0 || Kd == 0) return at::empty({0}, w.options());
-  const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = bf16_chunk_stride(kc);
+  if (!K()->weight_groups || G == 0 || Kd == 0) return at::empty({0}, w.options());
+  const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we), blk = group_block(we);
   at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * kGroupCols)
                      .reshape({lead, G, kGroupCols, chunks, kc});
   if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
   shape.insert(shape.end(), {G, chunks, kGroupCols * xkc});
-  return v.reshape({lead, G, kGroupCols, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
+  return v.reshape({lead, G, kGroupCols, chunks, xkc / blk, blk}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {

@@ -186,12 +186,13 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
                     " (the chunk tree needs C | K)");
 }
 
-// The shape of a bf16 weight [..., N, K]'s column groups (kernels.h kGroupCols) as
-// pack_weight_groups (ops.cpp) makes them for `chunks` reduction chunks:
-// [..., N / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(K / chunks)].
+// The shape of a weight [..., N, K]'s column groups (kernels.h kGroupCols) as pack_weight_groups
+// (ops.cpp) makes them for `chunks` reduction chunks:
+// [..., N / kGroupCols, chunks, kGroupCols * group_chunk_stride(K / chunks, the weight's dtype)].
 inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chunks) {
+  const Elem e = w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
   std::vector<int64_t> s(w.sizes().begin(), w.sizes().end() - 2);
-  s.insert(s.end(), {w.size(-2) / kGroupCols, chunks, kGroupCols * bf16_chunk_stride(w.size(-1) / chunks)});
+  s.insert(s.end(), {w.size(-2) / kGroupCols, chunks, kGroupCols * group_chunk_stride(w.size(-1) / chunks, e)});
   return s;
 }
 
@@ -199,21 +200,19 @@ inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chu
 // from these weights and chunks), checked; null where there are none (not given, or empty: what
 // pack_weight_groups returns where the table reads none) or the table reads none. The copy's
 // contents are the caller's: a group stale against w would give another weight's outputs.
-inline const uint16_t* weight_groups_of(const std::optional<at::Tensor>& g, const at::Tensor& w, int64_t chunks,
-                                        const char* op, const char* what) {
+inline const void* weight_groups_of(const std::optional<at::Tensor>& g, const at::Tensor& w, int64_t chunks,
+                                    const char* op, const char* what) {
   if (!g || !g->defined() || g->numel() == 0) return nullptr;
-  TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16, "tonp.", op, ": ", what,
-                    "_groups given for a weight that is not bfloat16 (", w.scalar_type(),
-                    "): column groups serve bf16 weights only");
-  TORCH_CHECK_TYPE(g->scalar_type() == at::kBFloat16 && g->is_contiguous() && g->is_cpu(), "tonp.", op, ": ", what,
-                   "_groups must be a contiguous bfloat16 CPU tensor (pack_weight_groups' result), got ",
-                   g->scalar_type(), " on ", g->device(), g->is_contiguous() ? "" : ", not contiguous");
+  TORCH_CHECK_TYPE(g->scalar_type() == w.scalar_type() && g->is_contiguous() && g->is_cpu(), "tonp.", op, ": ", what,
+                   "_groups must be a contiguous CPU tensor of the weight's dtype ", w.scalar_type(),
+                   " (pack_weight_groups' result), got ", g->scalar_type(), " on ", g->device(),
+                   g->is_contiguous() ? "" : ", not contiguous");
   const std::vector<int64_t> want = weight_groups_shape(w, chunks);
   TORCH_CHECK_VALUE(g->sizes() == at::IntArrayRef(want), "tonp.", op, ": ", what, "_groups has shape ", g->sizes(),
                     ", but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " has ",
                     at::IntArrayRef(want), " (packed from another weight, or for other chunks?)");
   if (!K()->weight_groups) return nullptr;
-  return static_cast<const uint16_t*>(g->data_ptr());
+  return g->data_ptr();
 }
 
 // Index tensors (ids, positions, offsets, page tables) must hold integers: a float or bool one

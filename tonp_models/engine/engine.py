@@ -51,7 +51,7 @@ class Engine:
         lockstep_group: a process group whose ranks step together although they hold different
             requests (expert parallelism without tensor parallelism between them): a rank
             without work runs a one-token forward while a peer has work (see `idle_everywhere`).
-        weight_groups: keep the bf16 expert weights also in column groups, which the AVX512-BF16
+        weight_groups: keep the expert weights also in column groups, which the AVX512-BF16
             build's one-row tiles stream faster (layers/weight_groups.py; the same bits). Costs the expert
             weights' size again in memory on that build (held by the model until
             drop_weight_groups()), nothing elsewhere. After changing the weights other than by

@@ -1,8 +1,9 @@
-"""Weight column groups: a second copy of a layer's bf16 weights that the CPU kernels' one-row tiles
-read as one stream (tonp_kernels.pack_weight_groups; kernels.h kGroupCols). The same bits as the
-weights in place, the same size again in memory. The MoE experts hold them (an expert routed one
-row: all at batch 1, most at 16), where on the AMD EPYC (Zen 4) they streamed 1.22-1.41x as fast
-on the fast bus and 1.0-1.05x on the slow one. The dense linears and the LM head do not: one long
+"""Weight column groups: a second copy of a layer's weights (bf16 or fp32) that the CPU kernels'
+one-row tiles read as one stream (tonp_kernels.pack_weight_groups; kernels.h kGroupCols). The same
+bits as the weights in place, the same size again in memory. The MoE experts hold them (an expert
+routed one row: all at batch 1, most at 16), where on the AMD EPYC (Zen 4) they streamed
+1.2-1.4x as fast on the fast bus (bf16 and fp32) and 1.0-1.1x on the slow one. The dense linears
+and the LM head do not (bf16 measured): one long
 weight read in place (eight streams a row apart marching together) ran as fast or faster there
 (0.82-1.02x for the groups on the slow bus; docs/performance.md).
 
@@ -71,7 +72,7 @@ class HoldsWeightGroups:
 
     def pack_weight_groups(self) -> int:
         """(Re)make the groups from the weights' current values; the bytes they hold (0 where
-        the kernels read none: another CPU build, fp32 weights, a device)."""
+        the kernels read none: another CPU build, a device)."""
         self._groups = None
         copies = tuple(None if w is None else tk.pack_weight_groups(w, self.chunks)
                        for w in self._grouped_weights())
