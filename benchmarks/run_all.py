@@ -315,6 +315,9 @@ def main(argv=None) -> dict:
                     help="skip train_bench.py (training step vs forward and torch)")
     ap.add_argument("--skip-amx", action="store_true",
                     help="skip benchmarks/amx_bench.py (run where the CPU has AMX-BF16 or AVX-512F)")
+    ap.add_argument("--peer-eager", action="store_true",
+                    help="decode_bench's vLLM without torch.compile (its default compiles the "
+                         "model first: many minutes on a 2-core machine)")
     ap.add_argument("--skip-decode", action="store_true",
                     help="skip benchmarks/decode_bench.py (batched decode; vLLM when installed)")
     ap.add_argument("--render-only", type=Path, metavar="JSON",
@@ -363,8 +366,8 @@ def main(argv=None) -> dict:
                          "train.md" if mode == "full" else "train_quick.md", 1800)
             extra += [("Training speed (benchmarks/train_bench.py)", t[1])] if t else []
         if not args.skip_decode:      # vLLM's CPU build as the peer where `make peer-vllm` ran
-            d = run_peer("decode_bench.py", ["--peer"] if mode == "full" else
-                         ["--quick", "--peer", "--peer-eager"],
+            d = run_peer("decode_bench.py", (["--peer"] + (["--peer-eager"] if args.peer_eager else []))
+                         if mode == "full" else ["--quick", "--peer", "--peer-eager"],
                          record_stem(RESULTS_DIR, "decode" if mode == "full" else "decode_quick", meta)
                          + ".md", 3600)
             extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
