@@ -31,6 +31,7 @@ decode_amd_epyc.md the AMD EPYC's with AVX512-BF16).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import queue
@@ -267,6 +268,7 @@ def main(argv=None) -> dict:
         try:
             for b in batches:
                 prompts = all_prompts[:b].tolist()
+                torch.ops.tonp.release_memory_pool()   # the last batch's idle activations
                 tonp_run(model, prompts[:1], 2)                          # warm-up
                 if peer is not None:
                     peer.run(prompts[:1], 2)
@@ -324,6 +326,13 @@ def main(argv=None) -> dict:
                 peer.close()
             if tmp is not None:
                 tmp.cleanup()
+            # This dtype's model (and the expert weight groups it holds) and the pool's idle
+            # blocks go before the next dtype's model and peer load: with fp32's groups (the
+            # experts' size again) and vLLM's copy beside them, a 24 GB machine has no room to
+            # spare (a run that kept them was killed for memory).
+            model = None
+            gc.collect()
+            torch.ops.tonp.release_memory_pool()
     # The machine's rates once more at the end; each bound takes the best of both (a rate
     # measured while the machine was slow is no bound), and the best read probe around its steps.
     end = roofline.measure_machine(size)
