@@ -15,18 +15,7 @@ static inline __m256 hw_step(__m256 acc, __m256i a, __m256i b) {
   return _mm256_dpbf16_ps(acc, reinterpret_cast<__m256bh&>(a), reinterpret_cast<__m256bh&>(b));
 }
 
-// Where a tile finds its weights: column n's block b of chunk c (its elements c * kc + 16 * b
-// .. + 16) at w + c * lc + n * ln + b * lb. In place (a row of W per column): lc = kc, ln = ldw,
-// lb = 16. In a weight group (kernels.h kGroupCols): lc = 16 * kGroupCols * blocks a chunk,
-// ln = 16, lb = 16 * kGroupCols, so a one-row tile's eight columns are one stream. Only
-// addresses differ: every output meets the same blocks in the same steps.
-struct WWalk {
-  int64_t lc, ln, lb;
-  static WWalk in_place(int64_t ldw, int64_t kc) { return {kc, ldw, 16}; }
-  static WWalk group(int64_t kc) {
-    return {16 * tonp::kGroupCols * ((kc + 15) / 16), 16, 16 * tonp::kGroupCols};
-  }
-};
+using tonp::WeightWalk;  // kernels.h: in place or a weight group (block: 16 bf16, one pair-chain step)
 
 // Few rows: an MR x NR tile, each output's eight lanes in one ymm (the same lanes as bf16dot.h).
 // prefetch_ahead: columns past the tile's whose weights to fetch at each k (the next tile's: in
@@ -34,7 +23,7 @@ struct WWalk {
 // arithmetic). A weight group is one stream the hardware follows: no prefetch (one added nothing
 // there, measured as the group layout was).
 template <int MR, int NR>
-static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, WWalk ww, int64_t kc,
+static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, WeightWalk ww, int64_t kc,
                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead) {
   constexpr int NT = MR * NR;
   float part[tonp::kMaxChunks][NT];
@@ -173,12 +162,12 @@ static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, cons
                                const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
                                const uint16_t* wg) {
   constexpr int64_t ld = tonp::kPanelPairs;
-  const WWalk in_place = WWalk::in_place(ldw, kc);
+  const WeightWalk in_place = WeightWalk::in_place(ldw, kc, tonp::Elem::BF16);
   int n = 0;
   if constexpr (MP == 0) {
     static_assert(tonp::kGroupCols == 8, "a weight group is one hw_dot_tile<1, 8>");
     if (wg && ncols == tonp::kGroupCols) {
-      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WWalk::group(kc), kc, chunks, out, ld, 0);
+      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WeightWalk::group(kc, tonp::Elem::BF16), kc, chunks, out, ld, 0);
       return;
     }
     for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 8);

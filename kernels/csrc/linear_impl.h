@@ -74,23 +74,12 @@ static inline void for_row_tiles(int64_t rows, F&& f) {
   }
 }
 
-// Where a tile finds its weights: column n's eight elements k .. k + 7 (k a multiple of 8) of
-// chunk c at c * lc + n * ln + (k / 8) * lb. In place: (kc, ldw, 8). In a weight group (kernels.h,
-// kGroupCols): (8 * padded kc, 8, 64): the eight columns' steps side by side, one stream, read
-// with the lines `ahead` elements on prefetched (2 KB: on the AMD EPYC (Zen 4), 2 threads, 128
-// cold fp32 experts one row each, the group against in place 1.02-1.07x on the slow bus and
-// 1.25x on the fast one, against 0.99-1.03x and 1.20-1.23x unprefetched; 8 KB ahead ran 0.96-1.02x).
-// Only the addresses differ; the same elements meet the same FMAs.
-struct FWalk {
-  int64_t lc, ln, lb, ahead;
-  static FWalk in_place(int64_t ldw, int64_t kc) { return {kc, ldw, 8, 0}; }
-  static FWalk group(int64_t kc) { return {tonp::kGroupCols * tonp::f32_chunk_stride(kc), 8, 8 * tonp::kGroupCols, 512}; }
-};
+using tonp::WeightWalk;  // kernels.h: in place or a weight group (block: 8 fp32, one V8 step)
 
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
 // prefetch_ahead: weight rows ahead of this tile to prefetch (0: none; in place only).
 template <int MR, int NR, typename T>
-static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, FWalk ww, int64_t kc, int64_t prefetch_ahead,
+static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, WeightWalk ww, int64_t kc, int64_t prefetch_ahead,
                              float* part) {
   constexpr int NT = MR * NR;
   const int64_t k8 = kc / 8 * 8;
@@ -171,16 +160,16 @@ static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw
   constexpr int NT = MR * NR;
   float part[tonp::kMaxChunks][NT];  // per-chunk partials of the tile's outputs
   const int64_t ahead = MR > 1 || ldw * int64_t(sizeof(T)) < 4096 ? 2 * NR : 0;
-  const FWalk ww = FWalk::in_place(ldw, kc);
+  const WeightWalk ww = WeightWalk::in_place(ldw, kc, Elem::F32);  // 8-element steps, fp32 or widened bf16 W
   for (int c = 0; c < chunks; ++c) dot_chunk<MR, NR, T>(x + c * kc, ldx, w + c * kc, ww, kc, ahead, part[c]);
   tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
 }
 
-// One row over a whole weight group (kGroupCols columns, fp32): the group's one stream (FWalk).
+// One row over a whole weight group (kGroupCols columns, fp32): the group's one stream (WeightWalk).
 static inline void dot_group_row(const float* x, const float* g, int64_t kc, int chunks, float* out /* [8] */) {
   static_assert(tonp::kGroupCols == 8, "a weight group is one 1 x 8 dot tile");
   float part[tonp::kMaxChunks][8];
-  const FWalk ww = FWalk::group(kc);
+  const WeightWalk ww = WeightWalk::group(kc, Elem::F32);
   for (int c = 0; c < chunks; ++c) dot_chunk<1, 8, float>(x + c * kc, 0, g + c * ww.lc, ww, kc, 0, part[c]);
   tile_finish<1, 8>(&part[0][0], chunks, out, 8);
 }
