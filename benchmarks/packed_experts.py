@@ -1,17 +1,17 @@
-"""What packing the fp32 expert weights once would buy the decode's experts stage: a prototype
-measured before a packed-weight cache is built (docs/history/performance-decode.md, 2026-12-05).
+"""The fp32 expert weight groups (the lane tiles' order; tonp_kernels.pack_weight_groups) against the
+weights in place, in the decode's experts stage.
 
     .venv/bin/python benchmarks/packed_experts.py [--experts 128] [--repeats 6] [--rounds 3] [--smoke]
 
 Builds benchmarks/packed_experts_bench.cpp with the kernel tables (kernels/csrc/isa_*.cpp, the
 extension's flags) and runs, on OMP_NUM_THREADS threads (default 2), moe_experts' fp32 stage over
-E cold experts with each candidate in turn: the kernel table's linear_panel on the weights in
-place, and the lane passes on weights packed in their reading order (with and without a software
-prefetch). Every sample is bracketed by a read-bandwidth probe; since this VM's bus moves between
-about 35 and 65 GB/s, the table reports the fast-bus samples (both probes at 50 GB/s or more) and
-the slow-bus ones apart, and every ratio compares samples of one bus state. The shapes run in
-rounds (--rounds), each shape's samples pooled, so that one run is likely to see both states. The packed outputs
-are checked byte for byte against the in-place ones in every sample.
+E cold experts with each candidate in turn: the AVX512-BF16 table's linear_panel on the weights
+in place, and the same kernel given each panel's weight group (lane passes at every row count).
+Every sample is bracketed by a read-bandwidth probe; since this VM's bus moves between about 35
+and 65 GB/s, the table reports the fast-bus samples (both probes at 50 GB/s or more) and the
+slow-bus ones apart, and every ratio compares samples of one bus state. The shapes run in rounds
+(--rounds), each shape's samples pooled, so that one run is likely to see both states. The
+outputs with groups are checked byte for byte against the in-place ones in every sample.
 Writes benchmarks/results/packed_experts.md (+ .json; `packed_experts_<machine>` where that holds
 another machine's run). AVX-512 machines only (elsewhere it says so and writes nothing).
 """
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run a
 from benchlib import RESULTS_DIR, build_kernel_bench, machine_meta, md_table, write_record  # noqa: E402
 
 # (rows an expert, K, N): gate_up and down of the 30B-A3B experts (H 2048, I 768).
-SHAPES = [(1, 2048, 1536), (4, 2048, 1536), (8, 2048, 1536), (16, 2048, 1536), (4, 768, 2048), (8, 768, 2048)]
-CANDIDATES = ("inplace", "packed", "packedpf")
+SHAPES = [(1, 2048, 1536), (2, 2048, 1536), (4, 2048, 1536), (8, 2048, 1536), (16, 2048, 1536),
+          (1, 768, 2048), (4, 768, 2048), (8, 768, 2048)]
+CANDIDATES = ("inplace", "groups")
 FAST = 50.0  # GB/s: both probes at least this: the fast bus
 
 
@@ -49,7 +50,7 @@ def run(exe: Path, shape, experts: int, repeats: int, threads: int) -> dict:
     for line in lines[:-1]:
         _, cand, ms, p0, p1, same = line.split("|")
         if same != "1":
-            raise RuntimeError(f"packed_experts_bench {shape}: {cand}'s output differs from linear_panel's")
+            raise RuntimeError(f"packed_experts_bench {shape}: {cand}'s output differs from in place")
         out[cand].append((gb / (float(ms) / 1e3), float(p0), float(p1)))
     return out
 
@@ -98,17 +99,16 @@ def main(argv=None) -> dict:
             cells = [f"{med[c][0]:.1f} ({med[c][0] / base:.2f}x, {med[c][1]})" if med[c] else "-"
                      for c in CANDIDATES[1:]]
             table.append([rows, K, N, state, f"{base:.1f} ({med['inplace'][1]})", *cells])
-    md = [f"# fp32 expert weights packed once: a prototype ({meta['date']})", "",
+    md = [f"# fp32 expert weight groups against in place ({meta['date']})", "",
           f"{meta['cpu']}; kernel table **{meta['isa']}**; {threads} threads; {experts} cold experts; "
           f"{rounds} rounds of {repeats} repeats, the candidates alternated. `benchmarks/packed_experts.py` "
           "(packed_experts_bench.cpp).", "",
-          md_table(["rows an expert", "K", "N", "bus", "in place GB/s (samples)", "packed", "packed, prefetch 4 KB"],
+          md_table(["rows an expert", "K", "N", "bus", "in place GB/s (samples)", "groups GB/s (ratio, samples)"],
                    table), "",
           "GB/s: the experts' weight bytes over the stage's time, the median of the samples on that bus "
           f"(fast: both probes around the sample at {FAST:.0f} GB/s or more; slow: both under); the ratio "
-          "is to the in-place kernel on the same bus. Every packed output equalled linear_panel's byte "
-          "for byte. Not a kernel of the package: the packed weights would need a cache that cannot go "
-          "stale (docs/history/performance-decode.md).", ""]
+          "is to the in-place kernel on the same bus. Every output with groups equalled the in-place one "
+          "byte for byte.", ""]
     text = "\n".join(md)
     print(text)
     if not a.smoke:

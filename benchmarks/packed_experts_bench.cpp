@@ -1,17 +1,13 @@
-// Microbenchmark: what packing the fp32 expert weights once would buy the decode's experts stage
-// (benchmarks/packed_experts.py builds and runs it; docs/history/performance-decode.md,
-// 2026-12-05). Not a kernel of the package: a prototype measured before a packed-weight cache
-// (and its invalidation) is built.
-// Each (expert, 16-column panel, chunk) block is stored as the lane passes read it: the chunk's
-// weights transposed, [kc, 16], lanes in pairs (0 and 1 interleaved step by step, then 2-3, 4-5,
-// 6-7), so a lane tile's four passes read the block front to back and a panel is one contiguous
-// run. The AVX-512 lane tile (linear_impl.h's, the weight pointer walking the block) then runs for
-// every row count: the same chains and trees, so the output equals the kernel table's
-// linear_panel on the unpacked weights (checked here, byte for byte, every sample).
+// Microbenchmark: the fp32 expert weight groups against the weights in place, in the decode's
+// experts stage (benchmarks/packed_experts.py builds and runs it; docs/performance.md).
+// Each (expert, 16-column panel) is packed as pack_weight_groups packs an fp32 weight (kernels.h:
+// per chunk, the k's in the lane pairs' order, sixteen columns per k), here by pack_w, and the
+// AVX512-BF16 table's linear_panel is run on it (lane passes at every row count, the weights read
+// as one run) and on the weights in place (as moe_experts runs each); the outputs are compared
+// byte for byte in every sample.
 // Candidates, alternated within every repeat over two cold copies of E experts:
-//   inplace  the AVX512-BF16 table's linear_panel on [E, N, K] (as moe_experts runs it);
-//   packed   the lane passes on the packed blocks, no software prefetch;
-//   packedpf the same with a prefetch 4 KB ahead in the weight stream.
+//   inplace  linear_panel on [E, N, K];
+//   groups   linear_panel given each panel's group.
 // Each sample is bracketed by a read-bandwidth probe (this VM's bus moves between ~35 and ~65
 // GB/s). Output: "sample|candidate|ms|probe_before|probe_after|same" lines, then "done".
 // Args: rows K N [experts=128] [repeats=6]; threads: OMP_NUM_THREADS. AVX-512 machines only.
@@ -33,54 +29,11 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
-#define TONP_AVX2 1
-#define TONP_AVX512 1
-#define TONP_ISA_NAME "packed_experts_bench"
 namespace proto {
-#include "../kernels/csrc/kernels_impl.h"
+using tonp::kPanel;
 
-// linear_impl.h's AVX-512 lane tile over a packed chunk block wp: the pass of lanes a and a + 1
-// reads step i's two weight rows (k = a + 8i, then a + 1 + 8i) as 32 consecutive floats; lane a's
-// one step more, where it has one, follows as 16. pf: floats ahead to prefetch (0: none).
-// Its own copy of lane_tile_packed's loop, because the weight walk is what is measured: the
-// kernel's tile over the block in plain k order ([kc, 16], each pass striding 8 rows) ran about
-// half as fast as the weights in place (AMD EPYC Zen 4, 4 and 8 rows, both buses). Landing the
-// layout means giving lane_tile_packed the walk as a parameter, not a second tile.
-template <int MR>
-static inline void lane_tile_pk(const float* xl, const float* wp, int64_t kc, float* part, int64_t pf) {
-  alignas(64) float low[MR][kPanel];
-  __m512 s01[MR], s45[MR];
-  auto pass = [&](int a, __m512* sum) {
-    const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
-    const float* xa = xl;
-    const float* xb = xl + na * MR;
-    __m512 A[MR], B[MR];
-    for (int r = 0; r < MR; ++r) A[r] = B[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i < nb; ++i, xa += MR, xb += MR, wp += 32) {
-      if (pf) { __builtin_prefetch(wp + pf, 0, 2); __builtin_prefetch(wp + pf + 16, 0, 2); }
-      const __m512 wa = _mm512_loadu_ps(wp), wb = _mm512_loadu_ps(wp + 16);
-      for (int r = 0; r < MR; ++r) {
-        A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
-        B[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r]), wb, B[r]);
-      }
-    }
-    if (i < na) {
-      const __m512 wa = _mm512_loadu_ps(wp); wp += 16;
-      for (int r = 0; r < MR; ++r) A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
-    }
-    xl += (na + nb) * MR;
-    for (int r = 0; r < MR; ++r) sum[r] = _mm512_add_ps(A[r], B[r]);
-  };
-  pass(0, s01);
-  { __m512 s23[MR]; pass(2, s23); for (int r = 0; r < MR; ++r) _mm512_store_ps(low[r], _mm512_add_ps(s01[r], s23[r])); }
-  pass(4, s45);
-  __m512 s67[MR];
-  pass(6, s67);
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(part + r * kPanel, _mm512_add_ps(_mm512_load_ps(low[r]), _mm512_add_ps(s45[r], s67[r])));
-}
-// One chunk block: W's ncols <= 16 rows, columns [0, kc), in the order lane_tile_pk reads them
-// (columns past ncols zero). An exact copy.
+// One chunk block: W's ncols <= 16 rows, columns [0, kc), in the lane tiles' order (columns past
+// ncols zero). An exact copy.
 static void pack_w(const float* W, int64_t ldw, int ncols, int64_t kc, float* out) {
   for (int a = 0; a < 8; a += 2) {
     const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
@@ -91,21 +44,6 @@ static void pack_w(const float* W, int64_t ldw, int ncols, int64_t kc, float* ou
     }
   }
 }
-// One (row block, panel) task on packed weights: xl lane-packed (pack_lanes), wp the panel's
-// chunk blocks one after another; the chunk partials closed by the chunk tree, as linear_panel.
-static void panel_pk(const float* xl, int64_t rows, const float* wp, int64_t kc, int chunks, int ncols,
-                     float* out, int64_t ldo, float* pbuf, int64_t pf) {
-  const int64_t cstride = rows * kPanel;
-  for (int c = 0; c < chunks; ++c) {
-    float* pc = pbuf + c * cstride;
-    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-      lane_tile_pk<mr()>(xl + r * kc * chunks + c * mr() * kc, wp + c * kc * kPanel, kc, pc + r * kPanel, pf);
-    });
-  }
-  chunk_tree(pbuf, cstride, chunks, cstride);
-  for (int64_t r = 0; r < rows; ++r) for (int j = 0; j < ncols; ++j) out[r * ldo + j] = pbuf[r * kPanel + j];
-}
-
 // The read probe: 256 MiB read by every thread, best of 3 (GB/s).
 static double probe_bw() {
   const int64_t n = int64_t(64) << 20;
@@ -155,18 +93,18 @@ static int run(int64_t R, int64_t K, int64_t N, int64_t E, int repeats) {
     float* dst = wpk.data() + cp * E * np * kPanel * K + (ex * np + p) * kPanel * K;
     for (int c = 0; c < chunks; ++c) pack_w(src + c * kc, K, ncols, kc, dst + c * kc * kPanel);
   }
-  const char* names[3] = {"inplace", "packed", "packedpf"};
+  const char* names[2] = {"inplace", "groups"};
   for (int rep = 0; rep < repeats; ++rep)
-    for (int m = 0; m < 3; ++m) {
-      const int cp = (rep * 3 + m) % copies;
+    for (int m = 0; m < 2; ++m) {
+      const int cp = (rep * 2 + m) % copies;
       std::vector<float>& out = m == 0 ? out0 : out1;
       const double p0 = probe_bw();
       const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
       {
         const int th = omp_get_num_threads(), tid = omp_get_thread_num();
-        std::vector<float> scratch(tonp::linear_scratch(chunks, K, R, Elem::F32, k->lane_rows_f32) + 64);
-        std::vector<float> pbuf(R * kPanel * (chunks + 1) + 64), xl(R * K + 64);
+        std::vector<float> scratch(tonp::linear_scratch(chunks, K, R, Elem::F32, k->lane_rows_f32, true) + 64);
+        std::vector<float> xl(R * K + 64);
         const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
         int64_t packed = -1;
         for (int64_t t = b; t < e; ++t) {  // tasks split as moe_experts' parallel_for splits them
@@ -174,14 +112,11 @@ static int run(int64_t R, int64_t K, int64_t N, int64_t E, int repeats) {
           const int ncols = int(std::min<int64_t>(kPanel, N - p * kPanel));
           const float* xe = x.data() + ex * R * K;
           float* o = out.data() + ex * R * N + p * kPanel;
-          const bool lanes = m > 0 || tonp::linear_lane_passes(R, kc, Elem::F32, k->lane_rows_f32);
+          const float* wg = m == 1 && ncols == kPanel ? wpk.data() + cp * E * np * kPanel * K + (ex * np + p) * kPanel * K : nullptr;
+          const bool lanes = wg || tonp::linear_lane_passes(R, kc, Elem::F32, k->lane_rows_f32);
           if (lanes && packed != ex) { k->pack_lanes(xe, K, R, kc, chunks, xl.data()); packed = ex; }
-          if (m == 0)
-            k->linear_panel(xe, K, R, w.data() + cp * E * N * K + (ex * N + p * kPanel) * K, K, Elem::F32, kc, chunks,
-                            nullptr, ncols, o, N, Elem::F32, scratch.data(), lanes ? xl.data() : nullptr, nullptr);
-          else
-            panel_pk(xl.data(), R, wpk.data() + cp * E * np * kPanel * K + (ex * np + p) * kPanel * K, kc, chunks,
-                     ncols, o, N, pbuf.data(), m == 2 ? 1024 : 0);
+          k->linear_panel(xe, K, R, w.data() + cp * E * N * K + (ex * N + p * kPanel) * K, K, Elem::F32, kc, chunks,
+                          nullptr, ncols, o, N, Elem::F32, scratch.data(), lanes ? xl.data() : nullptr, wg);
         }
       }
       const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

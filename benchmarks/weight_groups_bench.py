@@ -1,4 +1,4 @@
-"""The experts' weight column groups (layers/moe.py, kernels.h kGroupCols) in the decode step: the
+"""The experts' weight column groups (layers/moe.py, kernels.h) in the decode step: the
 same 30B-A3B-shaped model (bf16 and fp32) and prompts as decode_bench.py, decoded by tonp with the
 engine's weight groups and without (weight_groups=False: every expert read in place), the two
 alternated round by round in one process, the read bandwidth probed around each round.

@@ -171,13 +171,15 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
 def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
                        ) -> Optional[torch.Tensor]:
     """A weight [..., N, K] (an expert stack [E, N, K] too; bf16 or fp32) copied into column
-    groups for the CPU kernels' one-row tiles (moe_experts' gate_up_groups / down_groups), or None
-    where this process's kernels read none (only the AVX512-BF16 build does) or the weight is
-    not on the CPU: then nothing is gained, and no memory spent. An exact copy of the bytes, the
-    same size as the weight (whole groups of 8 columns; chunks zero padded to the tile's step: 16
-    bf16 or 8 fp32 elements), shaped [..., N // 8, chunks, 8 * padded chunk], in the weight's
-    dtype; the caller owns it and must remake it when the weight changes (the kernels refuse a
-    copy of another shape, dtype or chunks, but cannot tell a stale one).
+    groups laid out the way the CPU kernels read it (moe_experts' gate_up_groups / down_groups),
+    or None where this process's kernels read none (only the AVX512-BF16 build does) or the
+    weight is not on the CPU: then nothing is gained, and no memory spent. An exact copy of the
+    bytes in the weight's dtype, the same size as the weight: bf16, whole groups of 8 columns for
+    the one-row tiles, chunks zero padded to 16 elements, shaped [..., N // 8, chunks, 8 * padded
+    chunk]; fp32, whole panels of 16 columns in the lane tiles' order (kernels.h), shaped
+    [..., N // 16, chunks, 16 * chunk]. The caller owns it and must remake it when the weight
+    changes (the kernels refuse a copy of another shape, dtype or chunks, but cannot tell a stale
+    one).
     """
     chunks = check.integer(chunks, op="pack_weight_groups", name="chunks")
     if not isinstance(weight, torch.Tensor):

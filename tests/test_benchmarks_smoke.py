@@ -213,11 +213,11 @@ def test_a_run_never_overwrites_another_machines_record(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_packed_experts_prototype_computes_linear_panels_bits(capsys):
-    """benchmarks/packed_experts.py --smoke: the prototype's lane passes over packed expert weights
-    give the kernel table's linear_panel bits byte for byte (the bench raises otherwise) at one
-    row an expert (against the one-row dot tiles) and eight (against the 4 x 4 dot tiles), with
-    and without its prefetch; without AVX-512 it says so and measures nothing."""
+def test_packed_experts_groups_give_the_in_place_bits(capsys):
+    """benchmarks/packed_experts.py --smoke: linear_panel given the fp32 weight groups (packed by
+    the harness in the lane tiles' order) gives the in-place bits byte for byte (the bench raises
+    otherwise) at one row an expert (against the one-row dot tiles) and eight (against the 4 x 4
+    dot tiles); without AVX-512 it says so and measures nothing."""
     import packed_experts
     res = packed_experts.main(["--smoke"])
     out = capsys.readouterr().out
@@ -226,5 +226,5 @@ def test_packed_experts_prototype_computes_linear_panels_bits(capsys):
         return
     assert set(res) == {(1, 2048, 1536), (8, 768, 2048)}
     for samples in res.values():
-        assert {c: len(v) for c, v in samples.items()} == {"inplace": 1, "packed": 1, "packedpf": 1}
+        assert {c: len(v) for c, v in samples.items()} == {"inplace": 1, "groups": 1}
     assert "| 1 | 2048 | 1536 |" in out and "| 8 | 768 | 2048 |" in out

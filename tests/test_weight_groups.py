@@ -1,7 +1,8 @@
-"""Weight column groups (kernels.h kGroupCols; tonp_kernels.pack_weight_groups): a copy of the expert
-weights (bf16 or fp32) that the AVX512-BF16 build's one-row tiles read as one stream. The copy changes
-where the bytes are read from, never a bit; where it is read is owned by the engine, so a stale
-copy can never reach a training or scoring forward.
+"""Weight column groups (kernels.h; tonp_kernels.pack_weight_groups): a copy of the expert weights
+laid out the way the AVX512-BF16 build's tiles read them: bf16 in eight-column groups for the
+one-row tiles, fp32 in sixteen-column panels in the lane tiles' order for every row count. The copy
+changes where the bytes are read from, never a bit; where it is read is owned by the engine, so a
+stale copy can never reach a training or scoring forward.
 
 On builds whose tiles read no groups (AVX2, portable) pack_weight_groups returns None and the
 kernels are the in-place ones: the tests below that need a copy assert that this is why."""
@@ -22,7 +23,6 @@ READS_GROUPS = tk.isa() == "avx512bf16"
 
 
 DTYPES = [torch.bfloat16, torch.float32]
-BLOCK = {torch.bfloat16: 16, torch.float32: 8}   # a tile step: elements of a column side by side
 
 
 def _experts(E, I, H, seed=0, dtype=torch.bfloat16):
@@ -39,39 +39,55 @@ def _packed(w, chunks):
     return p
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pack_layout_is_the_columns_blocks_side_by_side(dtype):
-    """Group g, chunk c, block b holds columns 8g..8g+7's elements c*kc + B*b .. + B, zero past
-    kc (B: 16 bf16 or 8 fp32 elements, one step of the tile)."""
-    B = BLOCK[dtype]
-    w = torch.arange(16 * 40, dtype=torch.float32).reshape(16, 40).to(dtype)  # N = 16, K = 40
-    p = _packed(w, 2)                                      # kc = 20 -> 2 (bf16) or 3 (fp32) blocks
-    nb = -(-20 // B)
-    assert p.shape == (2, 2, nb * 8 * B) and p.dtype == dtype   # [group][chunk][...]
-    v = p.view(2, 2, nb, 8, B)                             # [group][chunk][block][col][B]
+def test_bf16_pack_layout_is_the_columns_blocks_side_by_side():
+    """Group g, chunk c, block b holds columns 8g..8g+7's elements c*kc + 16b .. + 16, zero past
+    kc (one pair-chain step of the one-row tile)."""
+    w = torch.arange(16 * 40, dtype=torch.float32).reshape(16, 40).bfloat16()  # N = 16, K = 40
+    p = _packed(w, 2)                                      # kc = 20 -> 2 blocks
+    assert p.shape == (2, 2, 2 * 8 * 16) and p.dtype == torch.bfloat16   # [group][chunk][...]
+    v = p.view(2, 2, 2, 8, 16)                             # [group][chunk][block][col][16]
     for g in range(2):
         for c in range(2):
-            for b in range(nb):
+            for b in range(2):
                 for j in range(8):
-                    n, k0 = 8 * g + j, 20 * c + B * b
-                    want = torch.zeros(B, dtype=dtype)
-                    m = min(B, 20 - B * b)
+                    n, k0 = 8 * g + j, 20 * c + 16 * b
+                    want = torch.zeros(16, dtype=torch.bfloat16)
+                    m = min(16, 20 - 16 * b)
                     want[:m] = w[n, k0:k0 + m]
                     assert torch.equal(v[g, c, b, j], want), (g, c, b, j)
 
 
+def test_fp32_pack_layout_is_the_lane_pairs_order():
+    """Panel g (columns 16g..16g+15), chunk c: the chunk's k's in the order the lane tiles read
+    them, each as the sixteen columns' elements: lanes 0 and 1 step by step (k = 0, 1, 8, 9, 16,
+    17), then lanes 2-3, 4-5, 6-7; a lane with one step more than its pair's ends its run (kc =
+    20: lanes 0-3 have three steps, 4-7 two). Columns past the last whole panel are left out."""
+    w = torch.arange(40 * 40, dtype=torch.float32).reshape(40, 40)   # N = 40: 2 panels + 8 columns
+    p = _packed(w, 2)                                                 # kc = 20
+    assert p.shape == (2, 2, 20 * 16) and p.dtype == torch.float32
+    order = [0, 1, 8, 9, 16, 17, 2, 3, 10, 11, 18, 19, 4, 5, 12, 13, 6, 7, 14, 15]
+    v = p.view(2, 2, 20, 16)                               # [panel][chunk][position][col]
+    for g in range(2):
+        for c in range(2):
+            for j, k in enumerate(order):
+                assert torch.equal(v[g, c, j], w[16 * g:16 * g + 16, 20 * c + k]), (g, c, j, k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("E,I,H,chunks", [(8, 96, 128, 8), (4, 40, 72, 2), (6, 64, 2048, 8),
-                                           (3, 48, 200, 4), (5, 36, 64, 1), (3, 44, 84, 2)])
+                                           (3, 48, 200, 4), (5, 36, 64, 1), (3, 44, 84, 2),
+                                           (4, 32, 48, 8)])
 def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
-    """Every row count (one row an expert reads the groups; more rows read in place), chunks whose
-    size is not a multiple of the block (zero-padded blocks, the tile's tail step), N not a
-    multiple of 8 (the last columns in place) or of 16 (an edge panel): the same bits as without
-    the copy."""
+    """Every row count (bf16: one row an expert reads the groups, more rows read in place; fp32:
+    every row count reads them, in lane tiles of 1-8 rows, full tiles prefetching ahead), chunks
+    whose size is not a multiple of the block or of a lane step (bf16's zero-padded blocks and
+    tail step, fp32's lanes with one step more than their pair's), chunks of at most one lane
+    step (kc <= 8), N not a multiple of 8 (the last columns in place) or of 16 (an edge panel):
+    the same bits as without the copy."""
     gu, dn = _experts(E, I, H, dtype=dtype)
     gug, dng = _packed(gu, chunks), _packed(dn, chunks)
     g = torch.Generator().manual_seed(1)
-    for M in (1, 2, 3, 5, 9, 17, 40):
+    for M in (1, 2, 3, 5, 9, 17, 40, 130):
         x = torch.randn(M, H, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(M)])
         want = tk.moe_experts(x, ids, gu, dn, chunks=chunks)
@@ -82,7 +98,8 @@ def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so
-    the equality above compares a path that really reads them) and leave a multi-row one alone."""
+    the equality above compares a path that really reads them); a two-row one reads them in fp32
+    (every row count) and not in bf16 (one row only)."""
     gu, dn = _experts(8, 96, 128, dtype=dtype)
     other_gu, other_dn = _experts(8, 96, 128, seed=5, dtype=dtype)
     gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
@@ -90,9 +107,13 @@ def test_the_kernel_reads_the_groups_it_is_given(dtype):
     one = torch.tensor([[0, 1], [2, 3]])        # every expert one row: the group tiles
     assert not torch.equal(tk.moe_experts(x, one, gu, dn, gate_up_groups=gug, down_groups=dng),
                            tk.moe_experts(x, one, gu, dn))
-    two = torch.tensor([[0, 1], [0, 1]])        # two rows an expert: read in place
-    assert_bitwise(tk.moe_experts(x, two, gu, dn, gate_up_groups=gug, down_groups=dng),
-                   tk.moe_experts(x, two, gu, dn))
+    two = torch.tensor([[0, 1], [0, 1]])        # two rows an expert
+    got, in_place = (tk.moe_experts(x, two, gu, dn, gate_up_groups=gug, down_groups=dng),
+                     tk.moe_experts(x, two, gu, dn))
+    if dtype == torch.float32:
+        assert not torch.equal(got, in_place)
+    else:
+        assert_bitwise(got, in_place)
 
 
 def test_bad_groups_are_refused_with_the_reason():
@@ -154,10 +175,10 @@ def test_only_a_forward_inside_reading_weight_groups_reads_them(dtype):
     b, x = _block(dtype), torch.randn(1, 256).to(dtype)
     want = b(x)
     b.pack_weight_groups()
-    B = BLOCK[dtype]
-    def padded_bytes(w):   # whole groups of 8 columns, each chunk padded to the block
-        E, N, K = w.shape
-        return E * (N // 8 * 8) * b.chunks * (-(-K // b.chunks // B) * B) * w.element_size()
+    def padded_bytes(w):   # bf16: whole groups of 8 columns, each chunk padded to 16 elements;
+        E, N, K = w.shape  # fp32: whole panels of 16 columns, chunks unpadded
+        cols, blk = (16, 1) if dtype == torch.float32 else (8, 16)
+        return E * (N // cols * cols) * b.chunks * (-(-K // b.chunks // blk) * blk) * w.element_size()
     assert b.weight_group_bytes() == (0 if not READS_GROUPS else
                                       padded_bytes(b.gate_up_proj) + padded_bytes(b.down_proj))
     with reading_weight_groups():

@@ -167,7 +167,7 @@ static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, cons
   if constexpr (MP == 0) {
     static_assert(tonp::kGroupCols == 8, "a weight group is one hw_dot_tile<1, 8>");
     if (wg && ncols == tonp::kGroupCols) {
-      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WeightWalk::group(kc, tonp::Elem::BF16), kc, chunks, out, ld, 0);
+      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WeightWalk::bf16_group(kc), kc, chunks, out, ld, 0);
       return;
     }
     for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 8);

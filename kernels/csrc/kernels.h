@@ -55,8 +55,9 @@ inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) 
 // Kernels::lane_rows_f32): finished sums [rows, 16]; for lane passes also chunk partials
 // [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
 // Sized by the call, so a one-row call on a large weight touches 64 bytes.
-inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows) {
-  if (!linear_lane_passes(rows, K / chunks, w, lane_rows)) return rows * kPanel;
+// grouped: the call is given an fp32 weight group (lane passes at any row count).
+inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows, bool grouped = false) {
+  if (!grouped && !linear_lane_passes(rows, K / chunks, w, lane_rows)) return rows * kPanel;
   return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
 }
 
@@ -94,41 +95,45 @@ inline int64_t bf16_row_block(int64_t M) {
 inline bool bf16_packs_pairs(int64_t rows, int64_t kc) { return rows > 1 && !bf16_lane_passes(rows, kc, true); }
 inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc; }
 
-// A weight's columns in groups of kGroupCols for the one-row dot tiles: group g holds columns
-// kGroupCols * g + j, j < kGroupCols, as [chunk c][block b][j][block] elements, block b of chunk c
-// being the column's elements c * kc + block * b .. + block (zero past kc); a block is one step of
-// the tile: 16 elements for bf16 weights (a pair-chain step, bf16dot_hw.h), 8 for fp32 (a V8
-// FMA step, linear_impl.h). A one-row tile reads its eight columns' blocks side by side: one
-// stream of the group's bytes, where in place it reads eight streams a weight row apart (on the
-// AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row each, bf16: gate_up K = 2048 1.22-1.31x,
-// down K = 768 1.26-1.41x; docs/history/performance-decode.md). Only the layout differs: the
-// same blocks meet the same steps, so the bits are the in-place ones. A copy the caller owns
-// (Kernels::weight_groups; pack_weight_groups in ops.cpp); columns past the last whole group are
-// read in place.
-constexpr int kGroupCols = 8;
-inline int64_t f32_chunk_stride(int64_t kc) { return (kc + 7) / 8 * 8; }
-inline int64_t group_chunk_stride(int64_t kc, Elem w) { return w == Elem::F32 ? f32_chunk_stride(kc) : bf16_chunk_stride(kc); }
-inline int64_t group_block(Elem w) { return w == Elem::F32 ? 8 : 16; }
+// A weight's columns in groups: a copy laid out the way the table's tiles read it (the caller
+// owns it: Kernels::weight_groups; pack_weight_groups in ops.cpp). Only the layout differs from
+// the weight in place: the same elements meet the same steps, so the bits are the in-place ones.
+// Columns past the last whole group are read in place.
+// - bf16 weights: groups of kGroupCols = 8 columns for the one-row dot tiles, as
+//   [chunk c][block b][j][16] elements, block b of chunk c being column j's elements c * kc + 16 b
+//   .. + 16 (zero past kc), one pair-chain step (bf16dot_hw.h). A one-row tile reads its eight
+//   columns' blocks side by side: one stream of the group's bytes, where in place it reads eight
+//   streams a weight row apart (AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row each:
+//   gate_up K = 2048 1.22-1.31x, down K = 768 1.26-1.41x; docs/history/performance-decode.md).
+// - fp32 weights: panels of kPanel = 16 columns in the lane tiles' order (linear_impl.h), for
+//   every row count: per chunk, lanes in pairs (0 and 1, then 2-3, 4-5, 6-7), step by step, each
+//   step the sixteen columns' element k (lane l's step i: k = l + 8 i), at lane_pair_start(kc, l)
+//   + i * 2 * kPanel floats from the chunk's block (kc * kPanel floats). A lane pass then reads
+//   its pair's weights front to back, one stream, with no per-task transpose.
+constexpr int kGroupCols = 8;  // columns of a bf16 weight group
+inline int64_t weight_group_cols(Elem w) { return w == Elem::F32 ? kPanel : kGroupCols; }
+inline int64_t group_chunk_stride(int64_t kc, Elem w) { return w == Elem::F32 ? kc : bf16_chunk_stride(kc); }
+inline int64_t group_block(Elem w) { return w == Elem::F32 ? 8 : 16; }  // a dot tile's step: one V8 of fp32, a pair-chain block of bf16
 inline int64_t weight_group_elems(int64_t K, int64_t chunks, Elem w) {
-  return chunks * group_chunk_stride(K / chunks, w) * kGroupCols;
+  return chunks * group_chunk_stride(K / chunks, w) * weight_group_cols(w);
+}
+inline int64_t lane_steps(int64_t kc, int l) { return (kc - l + 7) / 8; }  // lane l's k's in a chunk: l, l + 8, ... < kc
+// Where lane l's steps start in an fp32 group's chunk block (floats).
+inline int64_t lane_pair_start(int64_t kc, int l) {
+  int64_t s = 0;
+  for (int j = 0; j < (l & ~1); ++j) s += lane_steps(kc, j);
+  return (s + (l & 1)) * kPanel;
 }
 
-// Where a one-row or dot tile finds its weights: column n's block b (its elements c * kc +
-// block * b .. + block of chunk c) at c * lc + n * ln + b * lb. In place (a row of W per
-// column): (kc, ldw, block). In a weight group: (kGroupCols * padded kc, block, kGroupCols *
-// block): the eight columns' blocks side by side, one stream, read with the lines `ahead`
-// elements on prefetched (0: none). fp32 groups prefetch 2 KB ahead (AMD EPYC (Zen 4), 2 threads,
-// 128 cold fp32 experts one row each, group against in place: 1.02-1.07x on the slow bus and 1.25x
-// on the fast one, against 0.99-1.03x and 1.20-1.23x unprefetched; 8 KB ahead 0.96-1.02x); bf16
-// groups none (a prefetch added nothing there). Only addresses differ: every output meets the
-// same blocks in the same steps.
+// Where a dot tile finds its weights: column n's block b (its elements c * kc + block * b ..
+// + block of chunk c) at c * lc + n * ln + b * lb. In place (a row of W per column): (kc, ldw,
+// block). In a bf16 weight group: (kGroupCols * padded kc, 16, kGroupCols * 16): the eight
+// columns' blocks side by side, one stream. Only addresses differ: every output meets the same
+// blocks in the same steps.
 struct WeightWalk {
-  int64_t lc, ln, lb, ahead;
-  static WeightWalk in_place(int64_t ldw, int64_t kc, Elem w) { return {kc, ldw, group_block(w), 0}; }
-  static WeightWalk group(int64_t kc, Elem w) {
-    const int64_t b = group_block(w);
-    return {kGroupCols * group_chunk_stride(kc, w), b, kGroupCols * b, w == Elem::F32 ? 512 : 0};
-  }
+  int64_t lc, ln, lb;
+  static WeightWalk in_place(int64_t ldw, int64_t kc, Elem w) { return {kc, ldw, group_block(w)}; }
+  static WeightWalk bf16_group(int64_t kc) { return {kGroupCols * bf16_chunk_stride(kc), 16, kGroupCols * 16}; }
 };
 
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
@@ -157,9 +162,10 @@ struct Kernels {
   // welem, lane_rows_f32) floats (uninitialised). xl: where the call runs lane passes
   // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
   // those lane passes read x there; the same operands in the same order); otherwise null.
-  // wgroups: where the table has weight_groups and W is fp32, W's columns in groups (the first
-  // column's group; weight_group_elems(kc * chunks, chunks, F32) a group), or null: a one-row
-  // call's tiles read whole groups there; the rest reads W. The same bits either way.
+  // wgroups: where the table has weight_groups, W is fp32 and the panel is whole (ncols ==
+  // kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32) floats),
+  // or null: then the call runs lane passes on it for any row count (xl required), reading no W.
+  // The same bits either way.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
@@ -222,9 +228,9 @@ struct Kernels {
   // whose linear_panel_bf16 reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
   // Whether linear_panel_bf16 (bf16 weights) and linear_panel (fp32 weights) read weight groups
-  // (kGroupCols) when given them: the AVX-512 table, where they were measured to pay (its bf16
-  // one-row tiles on the instruction, its fp32 ones on zmm registers). Elsewhere a packed copy
-  // would be memory for nothing.
+  // when given them: the AVX-512 table, where they were measured to pay (its bf16 one-row tiles
+  // on the instruction, its fp32 lane tiles on zmm registers). Elsewhere a packed copy would be
+  // memory for nothing.
   bool weight_groups;
 };
 

@@ -74,10 +74,10 @@ static inline void for_row_tiles(int64_t rows, F&& f) {
   }
 }
 
-using tonp::WeightWalk;  // kernels.h: in place or a weight group (block: 8 fp32, one V8 step)
+using tonp::WeightWalk;  // kernels.h: the weights in place (block: 8 fp32, one V8 step)
 
 // One chunk of an MR x NR tile: part[r * NR + n] = the chunk's partial of output (r, n).
-// prefetch_ahead: weight rows ahead of this tile to prefetch (0: none; in place only).
+// prefetch_ahead: weight rows ahead of this tile to prefetch (0: none).
 template <int MR, int NR, typename T>
 static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, WeightWalk ww, int64_t kc, int64_t prefetch_ahead,
                              float* part) {
@@ -99,10 +99,7 @@ static inline void dot_chunk(const float* xc, int64_t ldx, const T* wc, WeightWa
   constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   int64_t k = 0;
   for (; k + kLine <= k8; k += kLine) {
-    if (ww.ahead) {  // one stream (a group): the lines ww.ahead elements past this line's steps
-      const uintptr_t a = reinterpret_cast<uintptr_t>(wc + (k / 8) * ww.lb) + sizeof(T) * uintptr_t(ww.ahead);
-      for (int64_t q = 0; q < kLine / 8 * ww.lb * int64_t(sizeof(T)); q += 64) prefetch_w(a + q);
-    } else if (prefetch_ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
+    if (prefetch_ahead)  // integer addresses: rows ahead of the last tile lie past W (a hint never faults)
       for (int n = 0; n < NR; ++n)
         prefetch_w(reinterpret_cast<uintptr_t>(wc) + sizeof(T) * uintptr_t((n + prefetch_ahead) * ww.ln + k));
     for (int64_t kk = 0; kk < kLine; kk += 8) step(k + kk);
@@ -165,28 +162,11 @@ static inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw
   tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
 }
 
-// One row over a whole weight group (kGroupCols columns, fp32): the group's one stream (WeightWalk).
-static inline void dot_group_row(const float* x, const float* g, int64_t kc, int chunks, float* out /* [8] */) {
-  static_assert(tonp::kGroupCols == 8, "a weight group is one 1 x 8 dot tile");
-  float part[tonp::kMaxChunks][8];
-  const WeightWalk ww = WeightWalk::group(kc, Elem::F32);
-  for (int c = 0; c < chunks; ++c) dot_chunk<1, 8, float>(x + c * kc, 0, g + c * ww.lc, ww, kc, 0, part[c]);
-  tile_finish<1, 8>(&part[0][0], chunks, out, 8);
-}
-
-// One row: the panel's outputs in 1 x 8 tiles, then narrower ones at an edge panel. wg: fp32 W's
-// column groups from the panel's first column (null: in place); a whole group is read there.
+// One row: the panel's outputs in 1 x 8 tiles, then narrower ones at an edge panel.
 template <typename T>
-static inline void dot_row_panel(const float* x, const T* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
-                                 const float* wg) {
+static inline void dot_row_panel(const float* x, const T* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out) {
   int n = 0;
-  if constexpr (std::is_same<T, float>::value) {
-    if (wg) {
-      const int64_t gsz = tonp::weight_group_elems(kc * chunks, chunks, tonp::Elem::F32);
-      for (; n + 8 <= ncols; n += 8) dot_group_row(x, wg + (n / 8) * gsz, kc, chunks, out + n);
-    }
-  }
-  if (n == 0 && ncols == kPanel) {
+  if (ncols == kPanel) {
     // One row streams the weight, eight weight rows at a time (eight streams in flight): a full
     // panel's even rows, then its odd rows. Each stream then runs on into the next row, which the
     // hardware prefetcher has already begun to fetch, instead of all eight starting cold on rows
@@ -240,6 +220,20 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
   });
 }
 
+// Where a lane tile finds its weights: lane l's step i (k = l + 8 i) at lane(l) + i * step floats
+// from the chunk's block. The chunk transposed per task (transpose_chunk, [kc, 16] in k order):
+// l * 16, step 128. An fp32 weight group's chunk (kernels.h, lanes in pairs): lane_pair_start,
+// step 32, so a pass over a lane pair reads one run front to back (`ahead`: floats ahead of it
+// to prefetch, 0: none). Only addresses differ: each lane meets the same weights in the same order.
+struct LaneWalk {
+  const float* w;
+  int64_t kc, step, ahead;
+  bool pairs;
+  static LaneWalk transposed(const float* wt, int64_t kc) { return {wt, kc, 8 * kPanel, 0, false}; }
+  static LaneWalk grouped(const float* g, int64_t kc, int64_t ahead) { return {g, kc, 2 * kPanel, ahead, true}; }
+  const float* lane(int l) const { return w + (pairs ? tonp::lane_pair_start(kc, l) : l * kPanel); }
+};
+
 #if defined(TONP_AVX512)
 // The AVX-512 build's lane tile: two lanes' passes at a time (2 x MR independent FMA chains, the
 // same operands in the same order), their lane values closed in registers by lanes_tree's adds
@@ -250,7 +244,8 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
 // the closure weighs most) 1.11x at 256 rows, 1.14-1.20x at 32; K = 2048 1.03-1.06x at 64-256.
 // The same values (only a NaN's payload, which the contract leaves to the device, may differ).
 template <int MR>
-static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /* [MR, 16] */) {
+  const int64_t kc = lw.kc, st = lw.step;
   alignas(64) float low[MR][kPanel];  // (l0 + l1) + (l2 + l3)
   __m512 s01[MR], s45[MR];
   // Lanes a and a + 1 (their k = a, a + 8, ... and a + 1, a + 9, ...; lane a may have one step
@@ -259,18 +254,25 @@ static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc
     const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
     const float* xa = xl;
     const float* xb = xl + na * MR;
+    const float* wa_ = lw.lane(a);
+    const float* wb_ = lw.lane(a + 1);
     __m512 A[MR], B[MR];
     for (int r = 0; r < MR; ++r) A[r] = B[r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < nb; ++i, xa += MR, xb += MR) {
-      const __m512 wa = _mm512_loadu_ps(wt + (a + 8 * i) * kPanel), wb = _mm512_loadu_ps(wt + (a + 1 + 8 * i) * kPanel);
+      if (lw.ahead) {  // a group's run: the lines `ahead` floats on (integer addresses: a hint never faults)
+        const uintptr_t q = reinterpret_cast<uintptr_t>(wa_) + sizeof(float) * uintptr_t(i * st + lw.ahead);
+        prefetch_w(q);
+        prefetch_w(q + 64);
+      }
+      const __m512 wa = _mm512_loadu_ps(wa_ + i * st), wb = _mm512_loadu_ps(wb_ + i * st);
       for (int r = 0; r < MR; ++r) {
         A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
         B[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r]), wb, B[r]);
       }
     }
     if (i < na) {
-      const __m512 wa = _mm512_loadu_ps(wt + (a + 8 * i) * kPanel);
+      const __m512 wa = _mm512_loadu_ps(wa_ + i * st);
       for (int r = 0; r < MR; ++r) A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
     }
     xl += (na + nb) * MR;
@@ -291,13 +293,14 @@ static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc
 #else
 // The lane tile of the AVX2 and portable builds: xl = the tile's chunk (its lanes one after another).
 template <int MR>
-static inline void lane_tile_packed(const float* xl, const float* wt, int64_t kc, float* part /* [MR, 16] */) {
+static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /* [MR, 16] */) {
   float lanes[8][MR * kPanel];
   for (int l = 0; l < 8; ++l) {
     V8 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
-    for (int64_t k = l; k < kc; k += 8, xl += MR) {
-      const V8 w0 = vload(wt + k * kPanel), w1 = vload(wt + k * kPanel + 8);
+    const float* wl = lw.lane(l);
+    for (int64_t k = l; k < lw.kc; k += 8, xl += MR, wl += lw.step) {
+      const V8 w0 = vload(wl), w1 = vload(wl + 8);
       for (int r = 0; r < MR; ++r) {
         const V8 xb = vset1(xl[r]);
         acc[r][0] = vfma(xb, w0, acc[r][0]);
@@ -330,39 +333,51 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
+// Lane passes over an fp32 weight group (kernels.h): the prefetch distance, in floats, of its
+// full row tiles (kLaneTileRows rows); smaller tiles prefetch nothing. Measured on the AMD EPYC
+// (Zen 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place: 8 rows
+// an expert 1.16-1.24x with it, 0.88-0.93x without; 4 rows 1.01-1.05x with it, 1.11-1.18x
+// without; 1 row level (results/packed_experts.md's first, prototype run, in git history).
+constexpr int64_t kGroupAhead = 1024;
+
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
-// row tile of the block; the partials of each (row, column, chunk) are the values dot_tile
-// computes, finished by the same chunk tree: only the loop order differs from the dot products.
-// xl: x lane-packed (pack_lanes).
+// row tile of the block, or read from the panel's fp32 weight group wg (non-null: already in the
+// lane tiles' order, nothing transposed); the partials of each (row, column, chunk) are the
+// values dot_tile computes, finished by the same chunk tree: only the loop order differs from
+// the dot products. xl: x lane-packed (pack_lanes).
 template <typename T>
 static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
                                 int64_t kc, int chunks, int ncols, float* res, float* pbuf /* [chunks, rows, 16] */,
-                                float* wt /* [kc, 16] */) {
+                                float* wt /* [kc, 16] */, const float* wg) {
   const int64_t cstride = rows * kPanel;
   constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
     float* pc = pbuf + c * cstride;
-    transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
-    // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
-    // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
-    // the addresses are integers (past the last panel they may lie outside W; a prefetch never
-    // faults, and no out-of-range pointer is formed).
-    const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
-    for (int n = 0; n < kPanel; ++n)
-      for (int64_t k = 0; k < kc; k += kLine)
-        prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
-    if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers
-      for (int64_t r = 0; r < rows; ++r)
+    const float* blk = wg ? wg + c * kc * kPanel : wt;  // the chunk's weights as the lane tiles read them
+    if (!wg) {
+      transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
+      // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
+      // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
+      // the addresses are integers (past the last panel they may lie outside W; a prefetch never
+      // faults, and no out-of-range pointer is formed).
+      const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
+      for (int n = 0; n < kPanel; ++n)
+        for (int64_t k = 0; k < kc; k += kLine)
+          prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
+    }
+    if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers (a
+      for (int64_t r = 0; r < rows; ++r)  // group's chunk of at most 8 is in k order, as wt)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
           V8 p[8];
-          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xc[r * ldx + l]), vload(wt + l * kPanel + n0), vzero()) : vzero();
+          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xc[r * ldx + l]), vload(blk + l * kPanel + n0), vzero()) : vzero();
           vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
         }
       continue;
     }
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-      lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, wt, kc, pc + r * kPanel);
+      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, mr() == kLaneTileRows ? kGroupAhead : 0) : LaneWalk::transposed(blk, kc);
+      lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
     });
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
@@ -383,9 +398,9 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
 // as far (level). Which outputs share a tile changes; no output's arithmetic does.
 template <typename T>
 static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, int64_t ldw, int64_t kc,
-                        int chunks, int ncols, float* res, const float* wg) {
+                        int chunks, int ncols, float* res) {
   if (rows == 1) {
-    dot_row_panel<T>(x, W, ldw, kc, chunks, ncols, res, wg);
+    dot_row_panel<T>(x, W, ldw, kc, chunks, ncols, res);
     return;
   }
   for (int n = 0; n < ncols; n += 4) {
@@ -411,16 +426,18 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (lane passes only)
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
   // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
-  // bytes of fp32); more rows (linear_lane_passes) run lane passes.
-  const bool lanes = tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
+  // bytes of fp32); more rows (linear_lane_passes) run lane passes, and so does every row count
+  // given the panel's fp32 weight group.
+  const float* wg = welem == Elem::F32 && ncols == kPanel ? wgroups : nullptr;
+  const bool lanes = wg || tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);
-    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
-          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res, wgroups);
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt, wg)
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   } else {
     const uint16_t* w = static_cast<const uint16_t*>(W);
-    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt)
-          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res, static_cast<const float*>(nullptr));
+    lanes ? linear_rows_blocked(x, ldx, xl, rows, w, ldw, kc, chunks, ncols, res, pbuf, wt, static_cast<const float*>(nullptr))
+          : linear_rows(x, ldx, rows, w, ldw, kc, chunks, ncols, res);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {

@@ -178,14 +178,18 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
   });
   // One stage: for every block, rows x (weight[e] [N, Kd] -> out [rows, N] in x's dtype).
   // wg: the weight's column groups (null: in place), weight_group_elems(Kd, chunks, we) elements
-  // a group, N / 8 groups an expert.
+  // a group, N / weight_group_cols(we) groups an expert (bf16: eight columns, four to a 32-column
+  // panel, the kernel reading the panel's whole ones; fp32: a 16-column panel, read at every row
+  // count, so its x rows are lane-packed).
   auto stage = [&](const char* in, int64_t ld, int64_t xk, int64_t Kd, const char* w, const void* wg, int64_t N,
                    char* out) {
-    const int64_t gsz = weight_group_elems(Kd, chunks, we), gexp = N / kGroupCols * gsz;
+    const int64_t gc = weight_group_cols(we), gsz = weight_group_elems(Kd, chunks, we), gexp = N / gc * gsz;
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
-      const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows) : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32));
-      XPack xpack(kern, pairs, max_rows, Kd, kc, we);  // a block's rows, for all its panels
+      const bool grouped = wg && we == Elem::F32;
+      const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows)
+                                                : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped));
+      XPack xpack(kern, pairs, max_rows, Kd, kc, we, grouped);  // a block's rows, for all its panels
       for (int64_t t = b; t < en; ++t) {
         const Blk& k = blks[t / np];
         const int64_t p = t % np;
@@ -197,13 +201,12 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
                                   reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
                                   scratch.get(),
                                   static_cast<const uint16_t*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
-                                  wg ? static_cast<const uint16_t*>(wg) + k.e * gexp + p * pw / kGroupCols * gsz : nullptr);
+                                  wg ? static_cast<const uint16_t*>(wg) + k.e * gexp + p * pw / gc * gsz : nullptr);
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
                              nullptr, ncols, o, N, xe, scratch.get(),
                              static_cast<const float*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
-                             wg && we == Elem::F32 ? static_cast<const float*>(wg) + k.e * gexp + p * pw / kGroupCols * gsz
-                                                   : nullptr);
+                             grouped && ncols == pw ? static_cast<const float*>(wg) + k.e * gexp + p * gsz : nullptr);
       }
     });
   };

@@ -97,28 +97,37 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   return out;
 }
 
-// A weight [..., N, K]'s columns in groups of kGroupCols (kernels.h), for the one-row tiles
-// (linear_panel_bf16's for bf16 weights, linear_panel's for fp32):
-// [..., N / kGroupCols, chunks, kGroupCols * padded chunk] (the chunks in the shape, so a copy
-// made for other chunks is refused), an exact copy (zero padded where a chunk is not a multiple
-// of the block, 16 bf16 or 8 fp32 elements; columns past the last whole group are left out: the
-// kernel reads them in place). Empty where this process's table reads no groups: nothing to gain,
-// so no memory spent.
+// A weight [..., N, K]'s columns in groups (kernels.h): bf16, eight columns for
+// linear_panel_bf16's one-row tiles, [..., N / 8, chunks, 8 * padded chunk] (each column's chunk
+// zero padded to the pair chains' 16-element blocks); fp32, sixteen-column panels for
+// linear_panel's lane passes, [..., N / 16, chunks, 16 * kc] (each chunk's k's in the lane pairs'
+// order, sixteen columns per k). The chunks are in the shape, so a copy made for other chunks is
+// refused; an exact copy; columns past the last whole group are left out (the kernel reads them
+// in place). Empty where this process's table reads no groups: nothing to gain, so no memory
+// spent.
 at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   TORCH_CHECK_VALUE(w.dim() >= 2, "tonp.pack_weight_groups: weight must be [..., N, K], got shape ", w.sizes());
   const int64_t N = w.size(-2), Kd = w.size(-1);
   check_chunks(Kd, chunks, "pack_weight_groups");
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.pack_weight_groups: at most ", kMaxChunks, " reduction chunks, got ", chunks);
   const Elem we = elem_of(w, "pack_weight_groups", "weight");
-  const int64_t G = N / kGroupCols;
+  const int64_t gc = weight_group_cols(we), G = N / gc;
   if (!K()->weight_groups || G == 0 || Kd == 0) return at::empty({0}, w.options());
-  const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we), blk = group_block(we);
-  at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * kGroupCols)
-                     .reshape({lead, G, kGroupCols, chunks, kc});
-  if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
+  const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we);
+  at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
-  shape.insert(shape.end(), {G, chunks, kGroupCols * xkc});
-  return v.reshape({lead, G, kGroupCols, chunks, xkc / blk, blk}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
+  shape.insert(shape.end(), {G, chunks, gc * xkc});
+  if (we == Elem::F32) {  // k in the lane pairs' order: pair p = (k % 8) / 2, then step k / 8, then k % 2
+    std::vector<int64_t> order;
+    for (int p = 0; p < 4; ++p)
+      for (int64_t i = 0; 8 * i < kc; ++i)
+        for (int64_t k = 8 * i + 2 * p; k < 8 * i + 2 * p + 2; ++k)
+          if (k < kc) order.push_back(k);
+    const at::Tensor idx = at::tensor(order, at::TensorOptions().dtype(at::kLong));
+    return v.index_select(4, idx).permute({0, 1, 3, 4, 2}).contiguous().view(shape);
+  }
+  if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
+  return v.reshape({lead, G, gc, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {

@@ -148,17 +148,19 @@ inline Scratch scratch_floats(int64_t n) {
 // where linear_panel_bf16 runs dot products of two or more rows and the table packs them
 // (Kernels::pack_pairs). of(block, ...) returns the packing the call takes (null where the kernel
 // reads x in place), packing when the block differs from the last one packed. Built for blocks of
-// at most max_rows rows.
+// at most max_rows rows. grouped: fp32 arithmetic on fp32 weight groups, whose lane passes run
+// at every row count (linear_panel), so every block is lane-packed.
 class XPack {
  public:
-  XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem)
-      : kern_(kern), pairs_(pairs), kc_(kc), xkc_(bf16_chunk_stride(kc)), welem_(welem),
-        on_(pairs ? kern->pack_pairs && max_rows > 1 : linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
+  XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem, bool grouped = false)
+      : kern_(kern), pairs_(pairs), kc_(kc), xkc_(bf16_chunk_stride(kc)), welem_(welem), grouped_(!pairs && grouped),
+        on_(pairs ? kern->pack_pairs && max_rows > 1
+                  : grouped_ || linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
         buf_(scratch_floats(!on_ ? 0
                             : pairs ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), kc > 0 ? K / kc : 0, xkc_)
                                     : max_rows * K)) {}
   const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_) : linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
+    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_) : grouped_ || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
       return nullptr;
     if (block != packed_) {
       if (pairs_)
@@ -175,6 +177,7 @@ class XPack {
   bool pairs_;
   int64_t kc_, xkc_;
   Elem welem_;
+  bool grouped_;
   bool on_;
   Scratch buf_;
   int64_t packed_ = -1;
@@ -186,13 +189,14 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
                     " (the chunk tree needs C | K)");
 }
 
-// The shape of a weight [..., N, K]'s column groups (kernels.h kGroupCols) as pack_weight_groups
-// (ops.cpp) makes them for `chunks` reduction chunks:
-// [..., N / kGroupCols, chunks, kGroupCols * group_chunk_stride(K / chunks, the weight's dtype)].
+// The shape of a weight [..., N, K]'s column groups (kernels.h) as pack_weight_groups (ops.cpp)
+// makes them for `chunks` reduction chunks, with G = weight_group_cols(the weight's dtype):
+// [..., N / G, chunks, G * group_chunk_stride(K / chunks, the dtype)].
 inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chunks) {
   const Elem e = w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
+  const int64_t G = weight_group_cols(e);
   std::vector<int64_t> s(w.sizes().begin(), w.sizes().end() - 2);
-  s.insert(s.end(), {w.size(-2) / kGroupCols, chunks, kGroupCols * group_chunk_stride(w.size(-1) / chunks, e)});
+  s.insert(s.end(), {w.size(-2) / G, chunks, G * group_chunk_stride(w.size(-1) / chunks, e)});
   return s;
 }
 

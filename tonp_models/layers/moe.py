@@ -29,9 +29,10 @@ each forward (and backward) together, with any number of tokens (zero included).
 Under sequence parallelism (`sp`) the block gathers the TP group's rows first and keeps this
 rank's rows of the output: inside, every TP rank holds every token, as without SP.
 
-Weight groups (layers/weight_groups.py): the rollout engine keeps the expert weights (bf16 or
-fp32) also in column groups, which the CPU kernels' one-row tiles read as one stream (an expert
-that gets one row: every expert at batch 1, most at 16); the same bits.
+Weight groups (layers/weight_groups.py): the rollout engine keeps the expert weights also in
+column groups laid out the way the CPU kernels read them (bf16: the one-row tiles' groups, for an
+expert that gets one row, every expert at batch 1, most at 16; fp32: the lane tiles' panels, for
+every row count); the same bits.
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""Weight column groups: a second copy of a layer's weights (bf16 or fp32) that the CPU kernels'
-one-row tiles read as one stream (tonp_kernels.pack_weight_groups; kernels.h kGroupCols). The same
-bits as the weights in place, the same size again in memory. The MoE experts hold them (an expert
-routed one row: all at batch 1, most at 16), where on the AMD EPYC (Zen 4) they streamed
-1.2-1.4x as fast on the fast bus (bf16 and fp32) and 1.0-1.1x on the slow one. The dense linears
-and the LM head do not (bf16 measured): one long
+"""Weight column groups: a second copy of a layer's weights laid out the way the CPU kernels read
+them (tonp_kernels.pack_weight_groups; kernels.h): bf16 in eight-column groups that the one-row
+tiles read as one stream, fp32 in sixteen-column panels in the lane tiles' order, read at every
+row count. The same bits as the weights in place, the same size again in memory. The MoE experts
+hold them, where on the AMD EPYC (Zen 4) the bf16 one-row experts streamed 1.2-1.4x as fast on
+the fast bus (1.0-1.1x on the slow one) and the fp32 experts 1.03-1.24x at 1-16 rows
+(docs/performance.md). The dense linears and the LM head do not (bf16 measured): one long
 weight read in place (eight streams a row apart marching together) ran as fast or faster there
-(0.82-1.02x for the groups on the slow bus; docs/performance.md).
+(0.82-1.02x for the groups on the slow bus).
 
 A copy is only as good as its match with the weights, so:
 - only forwards inside `reading_weight_groups()` read it: the rollout engine's steps
