@@ -9,6 +9,7 @@ meaningful even when the machine drifts; absolute numbers on a shared machine ar
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -190,8 +191,16 @@ def busy_warning(meta: dict) -> str:
 
 
 def free_memory() -> None:
-    """Release dropped models now (large tensors can otherwise linger until the next gc)."""
+    """Release dropped models now (large tensors can otherwise linger until the next gc), and the
+    idle blocks tonp's memory pool keeps for the next call (up to TONP_POOL_MB, 4 GB by default)."""
     gc.collect()
+    release = getattr(getattr(torch.ops, "tonp", None), "release_memory_pool", None)
+    if release is not None:
+        release()
+    try:  # glibc: hand free heap pages back (its mmap threshold rises after large frees)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def fmt(v: Optional[float], digits: int = 1) -> str:

@@ -31,6 +31,7 @@ decode_amd_epyc.md the AMD EPYC's with AVX512-BF16).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -61,6 +62,12 @@ from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E
 REPO = Path(__file__).resolve().parents[1]
 PEER_PY = REPO / ".venv-vllm" / "bin" / "python"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Tokens a forward feeds at most, both engines: vLLM's own default for its LLM class on CPU
+# (max_num_batched_tokens 4096, chunked prefill), given to tonp's generate as max_step_tokens. It
+# bounds the prefill's activations (batch 128 x 64 prompt tokens is 8192), which with the fp32
+# model, its weight groups and vLLM's engine beside them did not fit in 23 GB. No bit changes.
+STEP_TOKENS = 4096
+PEER_KV_GB = "1"   # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): batch 128 needs ~50 MB here
 
 
 def parse_args(argv=None):
@@ -100,7 +107,7 @@ def tonp_run(model, prompts: List[List[int]], new: int, weight_groups: bool = Tr
     t0 = time.perf_counter()
     with tk.use("invariant"):
         out = generate(clock, prompts, new, max_batch_size=len(prompts),
-                       weight_groups=weight_groups)
+                       weight_groups=weight_groups, max_step_tokens=STEP_TOKENS)
     wall = time.perf_counter() - t0
     assert all(len(c) == new for c in out.completions), "generation stopped early"
     starts = [s for s, _ in clock.spans[1:]] + [t0 + wall]
@@ -112,11 +119,21 @@ def tonp_run(model, prompts: List[List[int]], new: int, weight_groups: bool = Tr
             "logprobs0": out.logprobs[0].clone()}
 
 
+def _die_with_parent() -> None:
+    """In the peer's child, before exec: SIGKILL when this process dies (Linux prctl
+    PR_SET_PDEATHSIG). The peer sits stopped (SIGSTOP) between turns, so it would never see its
+    stdin close: a decode_bench killed for memory left a paused vLLM holding 10 GB."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except OSError:
+        pass
+
+
 class Peer:
-    """vLLM in its own venv and process group, paused between its turns."""
+    """vLLM in its own venv and process group, paused between its turns (killed with us)."""
 
     def __init__(self, ckpt: str, dtype: str, max_len: int, max_seqs: int, eager: bool):
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=PEER_KV_GB)
         env.pop("PYTHONPATH", None)         # vLLM's venv imports nothing of this checkout
         pre = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if
                os.path.exists(p)]
@@ -125,9 +142,10 @@ class Peer:
         self.proc = subprocess.Popen(
             [str(PEER_PY), str(REPO / "benchmarks" / "peer_vllm.py"), "--model", ckpt,
              "--dtype", {"bf16": "bfloat16", "fp32": "float32"}[dtype], "--max-model-len",
-             str(max_len), "--max-num-seqs", str(max_seqs)] + (["--eager"] if eager else []),
+             str(max_len), "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(STEP_TOKENS)]
+            + (["--eager"] if eager else []),
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.lines: "queue.Queue" = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         hello = self._read(1800)

@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                    help="tokens a forward feeds at most (vLLM's default for LLM on CPU)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (vLLM's default "
                     "compiles the model: minutes on a small machine)")
     a = ap.parse_args()
@@ -30,6 +32,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
     llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=a.eager,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0,
+              max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=False)
     print(json.dumps({"ready": True, "vllm": __import__("vllm").__version__}), flush=True)
     for line in sys.stdin:

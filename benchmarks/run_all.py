@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run a
 import model_bench as mb  # noqa: E402
 import roofline  # noqa: E402
 import tonp_kernels.amx as amx  # noqa: E402
-from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, log, machine_meta,  # noqa: E402
-                    md_table, record_stem, write_results)
+from benchlib import (RESULTS_DIR, busy_warning, fmt, fmt_ratio, free_memory, log,  # noqa: E402
+                    machine_meta, md_table, record_stem, write_results)
 
 BYTES = {"fp32": 4, "bf16": 2}
 METRICS = ("decode_b1", "decode_b16", "prefill", "train")
@@ -340,10 +340,22 @@ def main(argv=None) -> dict:
         if not cases:
             names = [c.name for c in mb.make_cases(mode)]
             ap.error(f"--models {args.models} matches none of {names}")
+    # Batched decode first, in its own process, while this one holds next to nothing: its fp32
+    # model, the model's weight groups and vLLM's engine need ~22 of 23 GB on the 2-core machines,
+    # and after the model cases below this process keeps ~3 GB resident (freed memory glibc and
+    # the pools do not hand back at once): run after them, it was killed for memory.
+    decode = None
+    if mode != "smoke" and not args.skip_decode:  # vLLM's CPU build as the peer where `make peer-vllm` ran
+        log(f"this process holds {resident_gb():.1f} GB before decode_bench")
+        decode = run_peer("decode_bench.py", (["--peer"] + (["--peer-eager"] if args.peer_eager else []))
+                          if mode == "full" else ["--quick", "--peer", "--peer-eager"],
+                          record_stem(RESULTS_DIR, "decode" if mode == "full" else "decode_quick", meta)
+                          + ".md", 3600)
     hook = checks_and_profiles(machine, profile, store)
     for case in cases:
         runs.append(mb.bench_case(case, args.stat, dtypes=args.dtypes, on_tonp=hook))
     extra = []
+    free_memory()   # what the model cases held, before the benchmarks in processes of their own
     if mode != "smoke":
         if not args.skip_kernels:
             k = run_peer("kernel_bench.py", [] if args.kernels_full else ["--quick"],
@@ -365,12 +377,8 @@ def main(argv=None) -> dict:
             t = run_peer("train_bench.py", [] if mode == "full" else ["--quick"],
                          "train.md" if mode == "full" else "train_quick.md", 1800)
             extra += [("Training speed (benchmarks/train_bench.py)", t[1])] if t else []
-        if not args.skip_decode:      # vLLM's CPU build as the peer where `make peer-vllm` ran
-            d = run_peer("decode_bench.py", (["--peer"] + (["--peer-eager"] if args.peer_eager else []))
-                         if mode == "full" else ["--quick", "--peer", "--peer-eager"],
-                         record_stem(RESULTS_DIR, "decode" if mode == "full" else "decode_quick", meta)
-                         + ".md", 3600)
-            extra += [("Batched decode (benchmarks/decode_bench.py)", d[1])] if d else []
+        if decode:                    # run first (above); reported in its place
+            extra += [("Batched decode (benchmarks/decode_bench.py)", decode[1])]
         if not args.skip_amx and (amx.available() or "avx512f" in meta["cpu_flags"]):
             x = run_peer("amx_bench.py", [] if mode == "full" else ["--quick"],
                          record_stem(RESULTS_DIR, "amx" if mode == "full" else "amx_quick", meta) + ".md",
@@ -384,6 +392,15 @@ def main(argv=None) -> dict:
             "cases": [{"name": c.name, "summary": c.summary(), **r} for c, r in zip(cases, runs)],
             "profiles": store.get("profiles", []), "extra": extra}
     return report(args.out, stem, data, cases)
+
+
+def resident_gb() -> float:
+    """This process's resident memory (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 2**20
+    except (OSError, StopIteration):
+        return 0.0
 
 
 def report(out: Path, stem: str, data: dict, cases) -> dict:
