@@ -163,9 +163,9 @@ struct Kernels {
   // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
   // those lane passes read x there; the same operands in the same order); otherwise null.
   // wgroups: where the table has weight_groups, W is fp32 and the panel is whole (ncols ==
-  // kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32) floats),
-  // or null: then the call runs lane passes on it for any row count (xl required), reading no W.
-  // The same bits either way.
+  // kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32) floats):
+  // the call then runs lane passes on it at any row count (xl required) and reads no W. Null: W
+  // in place. The same bits either way.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
