@@ -32,17 +32,11 @@
 namespace proto {
 using tonp::kPanel;
 
-// One chunk block: W's ncols <= 16 rows, columns [0, kc), in the lane tiles' order (columns past
-// ncols zero). An exact copy.
+// One chunk block: W's ncols <= 16 rows, columns [0, kc), in the lane tiles' order (kernels.h
+// lane_pair_pos, as pack_weight_groups writes it; columns past ncols zero). An exact copy.
 static void pack_w(const float* W, int64_t ldw, int ncols, int64_t kc, float* out) {
-  for (int a = 0; a < 8; a += 2) {
-    const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
-    for (int64_t i = 0; i < na; ++i) for (int l = a; l < a + 2; ++l) {
-      if (l == a + 1 && i >= nb) continue;
-      const int64_t k = l + 8 * i;
-      for (int j = 0; j < 16; ++j) *out++ = j < ncols ? W[j * ldw + k] : 0.f;
-    }
-  }
+  for (int64_t k = 0; k < kc; ++k)
+    for (int j = 0; j < 16; ++j) out[tonp::lane_pair_pos(kc, k) * 16 + j] = j < ncols ? W[j * ldw + k] : 0.f;
 }
 // The read probe: 256 MiB read by every thread, best of 3 (GB/s).
 static double probe_bw() {

@@ -124,6 +124,9 @@ inline int64_t lane_pair_start(int64_t kc, int l) {
   for (int j = 0; j < (l & ~1); ++j) s += lane_steps(kc, j);
   return (s + (l & 1)) * kPanel;
 }
+// The position of a chunk's element k in an fp32 group's chunk block, in steps of kPanel floats
+// (lane k % 8's step k / 8): what pack_weight_groups writes and the lane tiles read.
+inline int64_t lane_pair_pos(int64_t kc, int64_t k) { return lane_pair_start(kc, int(k % 8)) / kPanel + 2 * (k / 8); }
 
 // Where a dot tile finds its weights: column n's block b (its elements c * kc + block * b ..
 // + block of chunk c) at c * lc + n * ln + b * lb. In place (a row of W per column): (kc, ldw,

@@ -117,12 +117,9 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
   shape.insert(shape.end(), {G, chunks, gc * xkc});
-  if (we == Elem::F32) {  // k in the lane pairs' order: pair p = (k % 8) / 2, then step k / 8, then k % 2
-    std::vector<int64_t> order;
-    for (int p = 0; p < 4; ++p)
-      for (int64_t i = 0; 8 * i < kc; ++i)
-        for (int64_t k = 8 * i + 2 * p; k < 8 * i + 2 * p + 2; ++k)
-          if (k < kc) order.push_back(k);
+  if (we == Elem::F32) {  // each chunk's k's in the lane pairs' order (kernels.h lane_pair_pos)
+    std::vector<int64_t> order(kc);
+    for (int64_t k = 0; k < kc; ++k) order[lane_pair_pos(kc, k)] = k;
     // One copy: index_select writes the permuted view's rows straight into a new contiguous
     // tensor (selecting first and then making the permute contiguous held two copies of the
     // weight at once: 1.6 GB more at the peak for one 30B layer's fp32 gate_up).
