@@ -160,12 +160,13 @@ def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
     bias = randn(N, dtype=torch.bfloat16, gen=gen)
     for out in (torch.float32, torch.bfloat16):
         want = pair_linear_reference(x, w, bias, out_dtype=out)
-        # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, an odd row alone;
+        # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, a last odd row of 3,
+        # 5 or 7 paired with a zero row, a lone one (1, 9, 17 ...) alone;
         # emulated: tiles of 2, one row 8 columns wide), lane passes (on vdpbf16ps from 48 rows,
         # from 24 when kc <= 96: tiles of 3 and 2 rows over pairs of 16-column groups, an odd
         # group over tiles of 5 and 4; 97 and 98 end on a 96-row block and a block of one or two
         # rows; emulated from 20)
-        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 15, 21, 23, 24, 25, 47, 48, 53, 97, 98):
+        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 97, 98):
             got = tk.linear(x[:M], w, bias, out_dtype=out)
             assert torch.equal(_bits(got), _bits(want[:M])), f"M={M} out={out}"
 

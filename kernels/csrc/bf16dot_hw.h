@@ -355,16 +355,25 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
                     reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP));
     return;
   }
-  float* res = scratch;
+  float* res = scratch;  // [rows + 1, WP]: a padded pair tile also writes its zero row
   const int64_t P = (rows + 1) / 2, nb = xkc / 16;  // xpairs: the rows in pairs (required from 2 rows)
   const uint16_t* xp = xpairs;
   // Eight columns at a time (their weight rows stay in L1), every row tile over them: tiles of up
-  // to 8 rows (two per zmm), the odd row alone; so any row count streams the weights once.
+  // to 8 rows (two per zmm), so any row count streams the weights once. An odd last row of 3, 5
+  // or 7 left over rides in its pair's upper half against zeros (hw_pack_pairs): its zero row's
+  // outputs go to res and are never stored (vdpbf16ps is lane-wise: a row's lanes never meet its
+  // neighbour's, so the bits are the row's alone). A lone row left over (one row, or 8k + 1) runs
+  // the one-row tile. Against the one-row tile after the pairs, hot weights, one thread, 3 / 5 /
+  // 7 / 11 / 15 rows: 1.44x / 1.27x / 1.17x / 1.14x / 1.10x at K = 2048, 1.23x / 1.10x / 1.11x /
+  // 1.08x / 1.07x at K = 768; padding a lone row after 8 (9 rows into pair tiles of 3 and 2)
+  // lost 0.90x at K = 2048, so a lone row keeps its tile.
   for (int n0 = 0; n0 < ncols; n0 += 8) {
     const int nc = std::min(8, ncols - n0);
     const uint16_t* w = W + n0 * ldw;
-    // Weight groups serve a lone row only: with more rows the row tiles read these columns in
-    // place, and the odd row's tile finds them in L1 there (the group would be a second read).
+    // Weight groups serve one row only: with more rows the row tiles read these columns in place,
+    // and a lone last row's tile finds them in L1 there (the group would be a second read). The
+    // pair tiles reading the groups instead (two tiles over a group's two column halves) ran the
+    // experts' stage at 128 tokens 0.6-0.7x as fast, cold, on either bus.
     const uint16_t* wg = wgroups && rows == 1
                              ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks, tonp::Elem::BF16)
                              : nullptr;
@@ -376,11 +385,11 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
     };
     while (rows - r >= 8) tile(std::integral_constant<int, 8>());
     switch (rows - r) {
-      case 7: tile(std::integral_constant<int, 6>()); tile(std::integral_constant<int, 1>()); break;
+      case 7: tile(std::integral_constant<int, 8>()); break;  // 7 rows and the zero row
       case 6: tile(std::integral_constant<int, 6>()); break;
-      case 5: tile(std::integral_constant<int, 4>()); tile(std::integral_constant<int, 1>()); break;
+      case 5: tile(std::integral_constant<int, 6>()); break;
       case 4: tile(std::integral_constant<int, 4>()); break;
-      case 3: tile(std::integral_constant<int, 2>()); tile(std::integral_constant<int, 1>()); break;
+      case 3: tile(std::integral_constant<int, 4>()); break;
       case 2: tile(std::integral_constant<int, 2>()); break;
       case 1: tile(std::integral_constant<int, 1>()); break;
       default: break;

@@ -139,6 +139,7 @@ struct WeightWalk {
   static WeightWalk bf16_group(int64_t kc) { return {kGroupCols * bf16_chunk_stride(kc), 16, kGroupCols * 16}; }
 };
 
+// (Room for rows + 1 finished rows: the dot path's pair tile of an odd last row writes its zero row.)
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
   const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
   return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
