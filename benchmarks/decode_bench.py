@@ -21,7 +21,7 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio, and the ratio of
     their decode steps alone (each generate less the same prompts' 1-token generate), with the
     read bandwidth probed around each engine's round (a ratio of rounds on buses more than 20%
-    apart is marked);
+    apart is marked), and the median ratio over the rounds whose two runs saw one bus;
   * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
     torch.equal; vLLM: the number of differing positions).
 Writes benchmarks/results/decode{,_quick,_smoke}.{md,json}, or decode_<machine>... where that file
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=16384, help="151936 = Qwen3's full vocabulary")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds after a warm-up")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
     ap.add_argument("--peer", action="store_true", help="also run vLLM (needs make peer-vllm)")
     ap.add_argument("--peer-eager", action="store_true", help="vLLM without torch.compile (its "
                     "default compiles the model first: many minutes on a loaded 2-core machine)")
@@ -212,13 +212,25 @@ def bf16_gemm_GFLOPs(size: str) -> dict:
             "gemm_bf16_tonp_GFLOPs": own}
 
 
+def apart(a: List[float], b: List[float]) -> bool:
+    """Whether two rounds ran on buses more than 20% apart (the better probe around each)."""
+    x, y = max(a), max(b)
+    return max(x, y) > 1.2 * min(x, y)
+
+
 def bus_mark(r: dict) -> str:
-    """'*' where the reported tonp and vLLM rounds ran on buses more than 20% apart (the better
-    probe around each): their ratio then measures the bus as much as the engines."""
+    """'*' where the reported tonp and vLLM rounds ran on buses more than 20% apart: their ratio
+    then measures the bus as much as the engines."""
     if "vllm_read_GBs_round" not in r:
         return ""
-    t, v = max(r["read_GBs_round"]), max(r["vllm_read_GBs_round"])
-    return "*" if max(t, v) > 1.2 * min(t, v) else ""
+    return "*" if apart(r["read_GBs_round"], r["vllm_read_GBs_round"]) else ""
+
+
+def same_bus_ratio(pairs: List[dict]) -> Optional[float]:
+    """tonp / vLLM end to end from the rounds where the two engines, run back to back, saw one
+    bus (probes within 20%): the median over those rounds of vLLM's wall time over tonp's."""
+    r = sorted(p["vllm_wall_s"] / p["tonp_wall_s"] for p in pairs if not apart(p["tonp_probes"], p["vllm_probes"]))
+    return None if not r else (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2
 
 
 def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float,
@@ -296,7 +308,7 @@ def main(argv=None) -> dict:
                 # the round reported takes the better of its own two probes. This VM's bus moves
                 # between states (33-36 and 52-63 GB/s probed within one run), so a probe of
                 # another round can describe a bus the reported steps never saw.
-                probes = []
+                probes, pairs = [], []  # pairs: each round's two engines, back to back
                 mib = 64 if a.smoke else 256
                 for _ in range(rounds):
                     before = roofline.read_bandwidth_now(mib)
@@ -310,6 +322,8 @@ def main(argv=None) -> dict:
                         p = peer.run(prompts, a.new)
                         p["probes"] = [before, roofline.read_bandwidth_now(mib)]
                         best_p = p if best_p is None or p["wall_s"] < best_p["wall_s"] else best_p
+                        pairs.append({"tonp_wall_s": t["wall_s"], "tonp_probes": t["probes"],
+                                      "vllm_wall_s": p["wall_s"], "vllm_probes": p["probes"]})
                         pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
                 if b == batches[0]:
                     ref_tonp = best_t["logprobs0"]
@@ -326,6 +340,9 @@ def main(argv=None) -> dict:
                     r["vllm_e2e_tok_s"] = b * a.new / best_p["wall_s"]
                     r["vllm_read_GBs_round"] = best_p["probes"]
                     r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
+                    r["rounds"] = pairs
+                    r["tonp_over_vllm_same_bus"] = same_bus_ratio(pairs)
+                    r["same_bus_rounds"] = sum(not apart(q["tonp_probes"], q["vllm_probes"]) for q in pairs)
                     r["vllm_prefill_tok_s"] = b * a.prompt_len / pre_p
                     # The decode steps alone: each engine's generate less its 1-token generate
                     # (both best of the rounds), over the new - 1 steps after the first token.
@@ -373,6 +390,8 @@ def main(argv=None) -> dict:
                      f"{1e3 * r['tonp_overhead_s']:.1f} ms",
                      fmt(r["tonp_e2e_tok_s"]), fmt(r.get("vllm_e2e_tok_s")),
                      fmt_ratio(r.get("tonp_over_vllm")) + bus_mark(r),
+                     (f"{fmt_ratio(r.get('tonp_over_vllm_same_bus'))} ({r['same_bus_rounds']} of {len(r['rounds'])})"
+                      if "rounds" in r else "-"),
                      fmt_ratio(r.get("decode_tonp_over_vllm")) + bus_mark(r),
                      fmt(r["tonp_prefill_tok_s"]),
                      fmt(r.get("vllm_prefill_tok_s")),
@@ -384,7 +403,8 @@ def main(argv=None) -> dict:
             "read GB/s around vLLM's round",
             "of bound", "of whole-step bound",
             "experts / layer", "engine overhead/step",
-            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "decode steps tonp / vLLM",
+            "tonp e2e tok/s", "vLLM e2e tok/s", "tonp / vLLM", "tonp / vLLM, one-bus rounds",
+            "decode steps tonp / vLLM",
             "tonp prefill tok/s",
             "vLLM prefill tok/s", "prefill tonp / vLLM", "tonp bits = batch 1",
             f"vLLM logprobs differing from batch 1 (of {a.new})"]
@@ -412,7 +432,10 @@ def main(argv=None) -> dict:
           "each engine's generate less its 1-token generate, over the steps after the first "
           "token (vLLM's time over tonp's); a ratio marked * compares rounds whose buses "
           "differed by more than 20% (the better probe around each engine's reported round: "
-          "this VM's read bandwidth moves between about 33 and 60 GB/s). prefill: prompt "
+          "this VM's read bandwidth moves between about 33 and 60 GB/s). 'one-bus rounds': the "
+          "engines run back to back in every round; the median over the rounds whose two runs "
+          "saw one bus (probes within 20%) of vLLM's generate time over tonp's, and how many "
+          "rounds that was. prefill: prompt "
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "
           "rounds.\n")
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"

@@ -164,6 +164,23 @@ def test_decode_bench_marks_a_ratio_whose_rounds_saw_different_buses():
     assert mark({"read_GBs_round": [40.0, 30.0], "vllm_read_GBs_round": [47.0, 20.0]}) == ""  # 47 < 1.2 * 40
 
 
+def test_decode_bench_same_bus_ratio_takes_only_rounds_on_one_bus():
+    """The one-bus ratio: vLLM's wall time over tonp's in each round whose two back-to-back runs
+    probed within 20% of each other, the median of those; None when no round did."""
+    import decode_bench
+    ratio = decode_bench.same_bus_ratio
+
+    def rnd(t, tp, v, vp):
+        return {"tonp_wall_s": t, "tonp_probes": tp, "vllm_wall_s": v, "vllm_probes": vp}
+    fast, slow = [60.0, 58.0], [36.0, 35.0]
+    assert ratio([]) is None
+    assert ratio([rnd(1.0, slow, 2.0, fast)]) is None                      # across buses only
+    assert ratio([rnd(1.0, slow, 0.9, slow), rnd(0.6, fast, 1.2, slow)]) == pytest.approx(0.9)
+    assert ratio([rnd(1.0, slow, 0.9, slow), rnd(0.5, fast, 0.6, fast)]) == pytest.approx(1.05)
+    assert ratio([rnd(1.0, slow, 0.9, slow), rnd(0.5, fast, 0.6, fast),
+                  rnd(1.0, slow, 1.5, slow)]) == pytest.approx(1.2)           # the median
+
+
 @pytest.mark.timeout(300)
 def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
     """benchmarks/amx_bench.py with a few samples and one round: on an AMX machine the measured
