@@ -333,12 +333,18 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
-// Lane passes over an fp32 weight group (kernels.h): the prefetch distance, in floats, of its
-// full row tiles (kLaneTileRows rows); smaller tiles prefetch nothing. Measured on the AMD EPYC
-// (Zen 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place: 8 rows
-// an expert 1.16-1.24x with it, 0.88-0.93x without; 4 rows 1.01-1.05x with it, 1.11-1.18x
-// without; 1 row level (results/packed_experts.md's first, prototype run, in git history).
-constexpr int64_t kGroupAhead = 1024;
+// Lane passes over an fp32 weight group (kernels.h): the prefetch distance, in floats, of a row
+// tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
+// 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
+// expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
+// run, in git history). Tiles of 2-7 rows 8 KB ahead: moe_experts fp32, 128 cold experts, top-8
+// of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
+// an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
+// 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
+// 81); 128 tokens 73-82 against 88-98. One row (16 tokens: one or two rows an expert) level with
+// or without, so it prefetches nothing.
+constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
+inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : rows >= 2 ? kGroupAheadSmall : 0; }
 
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
 // row tile of the block, or read from the panel's fp32 weight group wg (non-null: already in the
@@ -376,7 +382,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
       continue;
     }
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, mr() == kLaneTileRows ? kGroupAhead : 0) : LaneWalk::transposed(blk, kc);
+      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, group_ahead(mr())) : LaneWalk::transposed(blk, kc);
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
     });
   }
