@@ -341,8 +341,8 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 // of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
 // an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
 // 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
-// 81); 128 tokens 73-82 against 88-98. One row (16 tokens: one or two rows an expert) level with
-// or without, so it prefetches nothing.
+// 81); 128 tokens 82-89 against 94-98 (slow bus). One row (16 tokens: one or two rows an expert)
+// level with or without, so it prefetches nothing.
 constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
 inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : rows >= 2 ? kGroupAheadSmall : 0; }
 
