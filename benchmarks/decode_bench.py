@@ -85,7 +85,10 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="batches 1,16; one round")
     ap.add_argument("--smoke", action="store_true", help="tiny model, checks the code runs")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
+    return a
 
 
 def make_config(a) -> Qwen3MoeConfig:
@@ -226,11 +229,16 @@ def bus_mark(r: dict) -> str:
     return "*" if apart(r["read_GBs_round"], r["vllm_read_GBs_round"]) else ""
 
 
+def one_bus(pairs: List[dict]) -> List[dict]:
+    """The rounds whose two engines, run back to back, saw one bus (probes within 20%)."""
+    return [p for p in pairs if not apart(p["tonp_probes"], p["vllm_probes"])]
+
+
 def same_bus_ratio(pairs: List[dict]) -> Optional[float]:
-    """tonp / vLLM end to end from the rounds where the two engines, run back to back, saw one
-    bus (probes within 20%): the median over those rounds of vLLM's wall time over tonp's."""
-    r = sorted(p["vllm_wall_s"] / p["tonp_wall_s"] for p in pairs if not apart(p["tonp_probes"], p["vllm_probes"]))
-    return None if not r else (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2
+    """tonp / vLLM end to end from the one-bus rounds: the median over them of vLLM's wall time
+    over tonp's (None when there is none)."""
+    r = [p["vllm_wall_s"] / p["tonp_wall_s"] for p in one_bus(pairs)]
+    return statistics.median(r) if r else None
 
 
 def bound(cfg, machine: dict, dtype: str, batch: int, context: float, read_GBs: float,
@@ -342,7 +350,7 @@ def main(argv=None) -> dict:
                     r["tonp_over_vllm"] = r["tonp_e2e_tok_s"] / r["vllm_e2e_tok_s"]
                     r["rounds"] = pairs
                     r["tonp_over_vllm_same_bus"] = same_bus_ratio(pairs)
-                    r["same_bus_rounds"] = sum(not apart(q["tonp_probes"], q["vllm_probes"]) for q in pairs)
+                    r["same_bus_rounds"] = len(one_bus(pairs))
                     r["vllm_prefill_tok_s"] = b * a.prompt_len / pre_p
                     # The decode steps alone: each engine's generate less its 1-token generate
                     # (both best of the rounds), over the new - 1 steps after the first token.

@@ -179,6 +179,8 @@ def test_decode_bench_same_bus_ratio_takes_only_rounds_on_one_bus():
     assert ratio([rnd(1.0, slow, 0.9, slow), rnd(0.5, fast, 0.6, fast)]) == pytest.approx(1.05)
     assert ratio([rnd(1.0, slow, 0.9, slow), rnd(0.5, fast, 0.6, fast),
                   rnd(1.0, slow, 1.5, slow)]) == pytest.approx(1.2)           # the median
+    with pytest.raises(SystemExit):                                          # no round to report
+        decode_bench.parse_args(["--rounds", "0"])
 
 
 @pytest.mark.timeout(300)
