@@ -43,8 +43,8 @@ else:
     from ._library import FLOAT_DTYPES, MAX_CHUNKS, isa
     from ._mode import BACKENDS, MODES, NUMERICS, get_backend, get_mode, get_numerics, use
     from .ops import (DEFAULT_CHUNKS, attention_paged, attention_varlen, linear, linear_partial,
-                      moe_combine, moe_experts, moe_route, pack_weight_groups, rms_norm, rope,
-                      silu_mul, tree_sum)
+                      moe_combine, moe_experts, moe_route, on_huge_pages, pack_weight_groups,
+                      rms_norm, rope, silu_mul, tree_sum)
     from .vocab import (argmax, log_softmax, logsumexp, lse_finish, lse_partial, max_with_index,
                         sample, target_logit, token_logprobs)
     from . import reference  # noqa: F401
@@ -54,5 +54,5 @@ __all__ = [
     "MAX_TEMPERATURE", "DEFAULT_CHUNKS", "linear", "linear_partial", "tree_sum", "rms_norm",
     "silu_mul", "attention_varlen", "attention_paged", "rope", "logsumexp", "lse_partial",
     "lse_finish", "log_softmax", "token_logprobs", "target_logit", "argmax", "max_with_index",
-    "sample", "moe_route", "moe_combine", "moe_experts", "pack_weight_groups",
+    "sample", "moe_route", "moe_combine", "moe_experts", "pack_weight_groups", "on_huge_pages",
 ]

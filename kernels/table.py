@@ -88,6 +88,7 @@ OPS: Tuple[Op, ...] = (
     Op("bf16_pair_isas", cpp="bf16dot_ops.cpp"),
     Op("bf16_pair_step", cpp="bf16dot_ops.cpp"),
     Op("release_memory_pool", cpp="big_alloc.cpp"),
+    Op("huge_pages_copy", cpp="big_alloc.cpp"),
     Op("pack_weight_groups", cpp="ops.cpp"),
     Op("amx_available", cpp="amx_ops.cpp"),
     Op("amx_tdpbf16ps", cpp="amx_ops.cpp"),
@@ -98,7 +99,7 @@ OPS: Tuple[Op, ...] = (
 BY_NAME: Dict[str, Op] = {o.name: o for o in OPS}
 # Tools return plain values (no tensors to fake, no device kernel).
 TOOLS = frozenset(("isa", "max_chunks", "float_dtypes", "bf16_pair_isas", "bf16_pair_step",
-                   "release_memory_pool", "pack_weight_groups", "amx_available", "amx_tdpbf16ps", "amx_pack_blocks",
+                   "release_memory_pool", "huge_pages_copy", "pack_weight_groups", "amx_available", "amx_tdpbf16ps", "amx_pack_blocks",
                    "amx_linear_blocks", "fma_linear_blocks"))
 PUBLIC = tuple(o.name for o in OPS if o.wrapper)
 # Ops the public functions reach through _dispatch.impl (tree_sum and linear_partial are plain

@@ -117,6 +117,30 @@ at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   return at::from_blob(p, sizes, [](void* q) { pool().give_back(q); }, opts);
 }
 
-TORCH_LIBRARY_FRAGMENT(tonp, m) { m.def("release_memory_pool() -> ()", &release_memory_pool); }
+at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(c10::typeMetaToScalarType(opts.dtype()));
+  if (bytes < kMinBytes || !opts.device().is_cpu() || env_off("TONP_HUGE_PAGES")) return at::empty(sizes, opts);
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  TORCH_CHECK(p, "tonp: out of memory allocating ", rounded, " bytes");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+  return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
+}
+
+// A contiguous copy of t in empty_huge memory (the same bits): a model's weights, which every
+// decode step streams whole. Where empty_huge gives plain memory, a plain copy.
+at::Tensor huge_pages_copy(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "tonp.huge_pages_copy: expected a CPU tensor, got one on ", t.device());
+  at::Tensor out = empty_huge(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(t);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tonp, m) {
+  m.def("release_memory_pool() -> ()", &release_memory_pool);
+  m.def("huge_pages_copy(Tensor t) -> Tensor", &huge_pages_copy);
+}
 
 }  // namespace tonp

@@ -124,11 +124,14 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
     // tensor (selecting first and then making the permute contiguous held two copies of the
     // weight at once: 1.6 GB more at the peak for one 30B layer's fp32 gate_up).
     const at::Tensor idx = at::tensor(order, at::TensorOptions().dtype(at::kLong));
-    at::Tensor out = v.permute({0, 1, 3, 4, 2}).index_select(3, idx);
-    return out.is_contiguous() ? out.view(shape) : out.contiguous().view(shape);
+    at::Tensor out = empty_huge({lead, G, chunks, kc, gc}, w.options());
+    at::index_select_out(out, v.permute({0, 1, 3, 4, 2}), 3, idx);
+    return out.view(shape);
   }
   if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
-  return v.reshape({lead, G, gc, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}).contiguous().view(shape);
+  at::Tensor out = empty_huge(shape, w.options());
+  out.view({lead, G, chunks, xkc / 16, gc, 16}).copy_(v.reshape({lead, G, gc, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}));
+  return out;
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {

@@ -117,6 +117,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                               dtype=dtype, tp_group=tp) if self.is_last else None
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings)
         self.reset_parameters()
+        self.weights_to_huge_pages()
 
     @property
     def pipelined(self) -> bool:
@@ -126,6 +127,17 @@ class Qwen3MoeForCausalLM(nn.Module):
     def device(self) -> torch.device:
         """Where this rank's weights live; the index tensors of a forward follow them."""
         return next(self.parameters()).device
+
+    def weights_to_huge_pages(self) -> None:
+        """Move every CPU weight of 4 MB or more into memory on 2 MB pages (tk.on_huge_pages: the
+        same values, the same Parameter objects, new storage). Each decode step streams the
+        weights whole, and on 4 KB pages it walks a page table entry every 4 KB: on the AMD EPYC
+        (Zen 4), 2 threads, the decode step ran 1.02-1.07x as fast (fp32 batch 16, bf16 batch 1
+        and 64; docs/performance.md). The constructor and from_pretrained call it; a model whose
+        weights were swapped for new tensors may call it again."""
+        with torch.no_grad():
+            for p in self.parameters():
+                p.data = tk.on_huge_pages(p.data)
 
     def reset_parameters(self) -> None:
         """HF-like init: every matrix ~ normal(0, initializer_range), norms 1, biases 0.
@@ -362,6 +374,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config, dtype=dtype, groups=groups)
         model.to_empty(device="cpu")
+        model.weights_to_huge_pages()
         model.rotary.reset_tables()
         load_checkpoint(model, path)
         return model
