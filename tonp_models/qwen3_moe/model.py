@@ -131,10 +131,10 @@ class Qwen3MoeForCausalLM(nn.Module):
     def weights_to_huge_pages(self) -> None:
         """Move every CPU weight of 4 MB or more into memory on 2 MB pages (tk.on_huge_pages: the
         same values, the same Parameter objects, new storage). Each decode step streams the
-        weights whole, and on 4 KB pages it walks a page table entry every 4 KB: on the AMD EPYC
-        (Zen 4), 2 threads, the decode step ran 1.02-1.07x as fast (fp32 batch 16, bf16 batch 1
-        and 64; docs/performance.md). The constructor and from_pretrained call it; a model whose
-        weights were swapped for new tensors may call it again."""
+        weights whole, and on 4 KB pages it walks a page-table entry every 4 KB; the gain is
+        small (docs/performance.md: the fp32 decode step 1.02-1.07x on the AMD EPYC's slow bus,
+        bf16 level). The constructor and from_pretrained call it; a model whose weights were
+        swapped for new tensors may call it again."""
         with torch.no_grad():
             for p in self.parameters():
                 p.data = tk.on_huge_pages(p.data)
