@@ -66,7 +66,11 @@ def test_on_huge_pages_leaves_small_and_non_cpu_tensors_and_refuses_others():
                     reason="this kernel has transparent huge pages off: the copies are plain memory")
 def test_the_copy_is_backed_by_huge_pages():
     """Where the kernel offers transparent huge pages (enabled: always or madvise), the copy's
-    mapping holds them once written."""
+    mapping holds them once written, even where malloc's heap holds pages freed by tensors
+    before it (already faulted in as 4 KB pages: advice would not change them)."""
+    for _ in range(3):
+        torch.ones(4096, 2048)                                    # freed at once
+        tk.on_huge_pages(torch.ones(2048, 2048))
     h = tk.on_huge_pages(torch.ones(4096, 2048))                  # 32 MB
     assert _huge_kb(h) >= 2048, "no 2 MB page backs the copy"
 

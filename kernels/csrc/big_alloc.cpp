@@ -121,12 +121,24 @@ at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(c10::typeMetaToScalarType(opts.dtype()));
   if (bytes < kMinBytes || !opts.device().is_cpu() || env_off("TONP_HUGE_PAGES")) return at::empty(sizes, opts);
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // A fresh mapping, never memory malloc hands back from its heap: pages a previous tensor already
+  // faulted in stay 4 KB whatever the advice (khugepaged may merge them, much later). The
+  // mapping is cut to a 2 MB aligned span and advised before its first touch.
+  const size_t span = rounded + kHuge;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "tonp: out of memory mapping ", span, " bytes");
+  char* const lo = static_cast<char*>(raw);
+  char* const p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(lo) + kHuge - 1) & ~uintptr_t(kHuge - 1));
+  if (p > lo) munmap(lo, size_t(p - lo));
+  if (lo + span > p + rounded) munmap(p + rounded, size_t(lo + span - (p + rounded)));
+  madvise(p, rounded, MADV_HUGEPAGE);
+  return at::from_blob(p, sizes, [rounded](void* q) { munmap(q, rounded); }, opts);
+#else
   void* p = std::aligned_alloc(kHuge, rounded);
   TORCH_CHECK(p, "tonp: out of memory allocating ", rounded, " bytes");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(p, rounded, MADV_HUGEPAGE);
-#endif
   return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
+#endif
 }
 
 // A contiguous copy of t in empty_huge memory (the same bits): a model's weights, which every

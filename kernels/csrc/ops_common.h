@@ -89,9 +89,10 @@ inline int64_t row_block(int64_t M, int64_t cap) {
 // hundreds of MB in again. Contents uninitialised, as at::empty.
 at::Tensor empty_big(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
-// at::empty for tensors that live long and are streamed whole, step after step (the weights'
-// column groups): 2 MB aligned, transparent huge pages requested, freed with the tensor (never
-// pooled). One TLB entry per 2 MB instead of 512. Below 4 MB, or TONP_HUGE_PAGES=0: at::empty.
+// at::empty for tensors that live long and are streamed whole, step after step (the weights,
+// their column groups): a fresh mapping, 2 MB aligned, transparent huge pages requested before
+// its first touch, unmapped with the tensor (never pooled). One TLB entry per 2 MB instead of
+// 512. Below 4 MB, or TONP_HUGE_PAGES=0: at::empty.
 at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
 // Uninitialised scratch for one thread's share of a parallel region (the kernels write before
