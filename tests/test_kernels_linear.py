@@ -65,6 +65,26 @@ def test_fp32_dot_tiles_at_every_edge_column_group(wdtype, gen):
         assert_bitwise(tk.linear(x, w, out_dtype=torch.float32), portable, f"N={N} native vs portable")
 
 
+@pytest.mark.parametrize("wdtype", (torch.float32, torch.bfloat16))
+def test_fp32_tasks_of_256_and_96_rows_give_the_same_bits(wdtype, gen):
+    """The AVX2 and AVX-512 builds' fp32 tasks take up to 256 rows (kRowBlockF32), the portable
+    build's 96 (kRowBlock): at 300 rows two tasks of 152 against four of 76, at 256 one against
+    three. Every build this CPU runs gives the portable build's bits, and each row its bits alone."""
+    K, N = 768, 40
+    w = randn(N, K, dtype=wdtype, gen=gen, scale=K ** -0.5)
+    x = randn(300, K, dtype=torch.float32, gen=gen)
+    with env("TONP_FORCE_PORTABLE", "1"):
+        assert tk.isa() == "portable"
+        want = [tk.linear(x[:m], w, out_dtype=torch.float32) for m in (256, 300)]
+    builds = [tk.isa()] + (["avx2"] if tk.isa() == "avx512bf16" else [])
+    for build in builds:
+        with env("TONP_FORCE_AVX2", "1" if build == "avx2" else None):
+            assert tk.isa() == build
+            for m, ref in zip((256, 300), want, strict=True):
+                assert_bitwise(tk.linear(x[:m], w, out_dtype=torch.float32), ref, f"{build} M={m} vs portable")
+            assert_bitwise(tk.linear(x[299:], w, out_dtype=torch.float32), want[1][299:], f"{build}: the last row alone")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_invariance_with_short_chunks(dtype, gen):
     """Chunks of 3, 5, 8, 12 and 13 elements (K = 24 .. 104 at C = 8): the dot products (1 and

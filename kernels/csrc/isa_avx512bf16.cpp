@@ -66,7 +66,7 @@ const Kernels* kernels_avx512bf16() {
     t.linear_panel = tonp_avx512bf16::linear_panel;
     t.pack_lanes = tonp_avx512bf16::pack_lanes;  // packed for its 8-row zmm lane tiles
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
-    t.row_block_f32 = tonp::kRowBlockZmm;
+    t.row_block_f32 = tonp::kRowBlockF32;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
     t.weight_groups = true;  // its one-row tiles read weight groups (kGroupCols)

@@ -7,5 +7,10 @@
 static const tonp::Kernels kTable = {
     TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
     log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad, pack_lanes,
-    kLaneRowsBuild, tonp::kRowBlock,
+    kLaneRowsBuild,
+#if defined(TONP_AVX2)
+    tonp::kRowBlockF32,
+#else
+    tonp::kRowBlock,
+#endif
 };

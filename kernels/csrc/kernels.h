@@ -13,7 +13,7 @@ namespace tonp {
 
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
 constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
-constexpr int kRowBlockZmm = 256;  // the same for fp32 arithmetic in the AVX-512 build (Kernels::row_block_f32)
+constexpr int kRowBlockF32 = 256;  // the same for fp32 arithmetic in the AVX2 and AVX-512 builds (Kernels::row_block_f32)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
 // The same in the AVX-512 build (4-row dot tiles in its 32 registers): 32. Measured cold on the
@@ -223,9 +223,10 @@ struct Kernels {
   // The row count from which linear_panel runs lane passes with fp32 weights (linear_lane_passes):
   // kLaneRows, the AVX-512 build kLaneRowsZmm. Which path runs never changes a bit.
   int lane_rows_f32;
-  // Rows per task of an fp32-arithmetic linear (and per expert block of moe_experts): kRowBlock,
-  // the AVX-512 build kRowBlockZmm (its lane passes transpose each weight chunk once per task;
-  // more rows amortise that). Which rows share a task never changes a bit.
+  // Rows per task of an fp32-arithmetic linear (and per expert block of moe_experts): the AVX2
+  // and AVX-512 builds kRowBlockF32 (their lane passes transpose each weight chunk once per task;
+  // more rows amortise that), the portable build kRowBlock. Which rows share a task never
+  // changes a bit.
   int row_block_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
