@@ -172,7 +172,8 @@ def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
                        ) -> Optional[torch.Tensor]:
     """A weight [..., N, K] (an expert stack [E, N, K] too; bf16 or fp32) copied into column
     groups laid out the way the CPU kernels read it (moe_experts' gate_up_groups / down_groups),
-    or None where this process's kernels read none (only the AVX512-BF16 build does) or the
+    or None where this process's kernels read none (the AVX512-BF16 build reads both dtypes,
+    the AVX2 build fp32 from two rows a task, the portable build none) or the
     weight is not on the CPU: then nothing is gained, and no memory spent. An exact copy of the
     bytes in the weight's dtype, the same size as the weight: bf16, whole groups of 8 columns for
     the one-row tiles, chunks zero padded to 16 elements, shaped [..., N // 8, chunks, 8 * padded

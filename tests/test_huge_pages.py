@@ -104,8 +104,10 @@ def test_the_model_keeps_its_large_weights_on_huge_pages_with_the_same_bits(tmp_
     assert list(m.parameters()) == params and all(p.requires_grad for p in params)
 
 
-@pytest.mark.skipif(tk.isa() != "avx512bf16", reason="only the avx512bf16 build reads weight groups")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_groups_are_made_on_huge_pages(dtype):
-    w = torch.randn(4, 1536, 1024).to(dtype)
-    assert _aligned(tk.pack_weight_groups(w, 8))
+    g = tk.pack_weight_groups(torch.randn(4, 1536, 1024).to(dtype), 8)
+    if g is None:
+        assert tk.isa() == "portable" or (tk.isa() == "avx2" and dtype == torch.bfloat16)
+        pytest.skip(f"the {tk.isa()} build reads no {dtype} weight groups")
+    assert _aligned(g)

@@ -4,8 +4,9 @@ one-row tiles, fp32 in sixteen-column panels in the lane tiles' order for every 
 changes where the bytes are read from, never a bit; where it is read is owned by the engine, so a
 stale copy can never reach a training or scoring forward.
 
-On builds whose tiles read no groups (AVX2, portable) pack_weight_groups returns None and the
-kernels are the in-place ones: the tests below that need a copy assert that this is why."""
+The AVX2 build reads fp32 groups only, from two rows a task; the portable build none. Where a
+build reads no groups of a dtype pack_weight_groups returns None and the kernels are the in-place
+ones: the tests below that need a copy assert that this is why."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,17 @@ from tonp_models.engine import Engine, Request, SamplingParams
 from tonp_models.layers.moe import SparseMoeBlock
 from tonp_models.layers.weight_groups import reading_weight_groups
 
-READS_GROUPS = tk.isa() == "avx512bf16"
+
+
+def reads_groups(dtype, isa=None) -> bool:
+    """Whether the build (this process's by default) reads groups of weights of this dtype."""
+    isa = isa or tk.isa()
+    return isa == "avx512bf16" or (isa == "avx2" and dtype == torch.float32)
+
+
+def group_rows(dtype) -> int:
+    """The rows a task needs to read this dtype's groups in this build (bf16: one row only)."""
+    return 2 if tk.isa() == "avx2" and dtype == torch.float32 else 1
 
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -33,9 +44,9 @@ def _experts(E, I, H, seed=0, dtype=torch.bfloat16):
 
 def _packed(w, chunks):
     p = tk.pack_weight_groups(w, chunks)
-    if not READS_GROUPS:
-        assert p is None, f"the {tk.isa()} build's tiles read no groups: no copy to make"
-        pytest.skip(f"the {tk.isa()} build reads no weight groups (only avx512bf16 does)")
+    if not reads_groups(w.dtype):
+        assert p is None, f"the {tk.isa()} build's tiles read no {w.dtype} groups: no copy to make"
+        pytest.skip(f"the {tk.isa()} build reads no {w.dtype} weight groups")
     return p
 
 
@@ -79,7 +90,8 @@ def test_fp32_pack_layout_is_the_lane_pairs_order():
                                            (4, 32, 48, 8)])
 def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
     """Every row count (bf16: one row an expert reads the groups, more rows read in place; fp32:
-    every row count reads them, in lane tiles of 1-8 rows, full tiles prefetching ahead), chunks
+    every row count (AVX2: from two) reads them, in lane tiles of 1-8 rows, full tiles prefetching
+    ahead), chunks
     whose size is not a multiple of the block or of a lane step (bf16's zero-padded blocks and
     tail step, fp32's lanes with one step more than their pair's), chunks of at most one lane
     step (kc <= 8), N not a multiple of 8 (the last columns in place) or of 16 (an edge panel):
@@ -99,21 +111,21 @@ def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
 def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so
     the equality above compares a path that really reads them); a two-row one reads them in fp32
-    (every row count) and not in bf16 (one row only)."""
+    (every row count) and not in bf16 (one row only). The AVX2 build reads fp32 groups from two
+    rows: there the one-row output reads W in place."""
     gu, dn = _experts(8, 96, 128, dtype=dtype)
     other_gu, other_dn = _experts(8, 96, 128, seed=5, dtype=dtype)
     gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
     x = torch.randn(2, 128).to(dtype)
-    one = torch.tensor([[0, 1], [2, 3]])        # every expert one row: the group tiles
-    assert not torch.equal(tk.moe_experts(x, one, gu, dn, gate_up_groups=gug, down_groups=dng),
-                           tk.moe_experts(x, one, gu, dn))
-    two = torch.tensor([[0, 1], [0, 1]])        # two rows an expert
-    got, in_place = (tk.moe_experts(x, two, gu, dn, gate_up_groups=gug, down_groups=dng),
-                     tk.moe_experts(x, two, gu, dn))
-    if dtype == torch.float32:
-        assert not torch.equal(got, in_place)
-    else:
-        assert_bitwise(got, in_place)
+    for ids, rows in ((torch.tensor([[0, 1], [2, 3]]), 1),     # every expert one row
+                      (torch.tensor([[0, 1], [0, 1]]), 2)):    # two rows an expert
+        got, in_place = (tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng),
+                         tk.moe_experts(x, ids, gu, dn))
+        reads = rows >= group_rows(dtype) and (dtype == torch.float32 or rows == 1)
+        if reads:
+            assert not torch.equal(got, in_place), f"{rows} row(s): the groups not read"
+        else:
+            assert_bitwise(got, in_place, f"{rows} row(s): W in place")
 
 
 def test_bad_groups_are_refused_with_the_reason():
@@ -143,19 +155,30 @@ def test_bad_groups_are_refused_with_the_reason():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("env", [("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
-def test_other_builds_make_no_groups_and_ignore_given_ones(env, dtype, monkeypatch):
-    """The kernel table is chosen at every call: under the AVX2 and portable tables (whose tiles
-    read W in place) pack_weight_groups makes none, and groups made by the AVX512-BF16 table are
-    ignored there: the same bits as that table's in place, and as with no groups at all."""
+def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatch):
+    """The kernel table is chosen at every call. The portable table (and the AVX2 one for bf16)
+    reads W in place: pack_weight_groups makes no groups there, and groups made by the
+    AVX512-BF16 table are ignored: the same bits as that table's in place, and as with no groups
+    at all. The AVX2 table reads fp32 groups in the same layout (the same copy) from two rows an
+    expert: the same bits again."""
     gu, dn = _experts(6, 64, 256, dtype=dtype)
     gug, dng = _packed(gu, 8), _packed(dn, 8)
     x = torch.randn(3, 256).to(dtype)
-    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])          # one row an expert: the group tiles
-    want = tk.moe_experts(x, ids, gu, dn)
+    want = {}
+    for name, ids in (("one row an expert", torch.tensor([[0, 1], [2, 3], [4, 5]])),
+                      ("three rows an expert", torch.tensor([[0, 1], [0, 1], [0, 1]]))):
+        want[name] = (ids, tk.moe_experts(x, ids, gu, dn))
     monkeypatch.setenv(*env)
-    assert tk.isa() != "avx512bf16" and tk.pack_weight_groups(gu, 8) is None
-    assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), want,
-                   f"{env[0]} with groups")
+    isa = tk.isa()
+    assert isa == ("avx2" if env[0] == "TONP_FORCE_AVX2" else "portable")
+    made = tk.pack_weight_groups(gu, 8)
+    if reads_groups(dtype, isa):
+        assert_bitwise(made, gug, f"{isa}'s groups are the AVX512-BF16 table's")
+    else:
+        assert made is None
+    for name, (ids, w) in want.items():
+        assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), w,
+                       f"{env[0]} with groups, {name}")
 
 
 def _block(dtype=torch.bfloat16):
@@ -179,11 +202,11 @@ def test_only_a_forward_inside_reading_weight_groups_reads_them(dtype):
         E, N, K = w.shape  # fp32: whole panels of 16 columns, chunks unpadded
         cols, blk = (16, 1) if dtype == torch.float32 else (8, 16)
         return E * (N // cols * cols) * b.chunks * (-(-K // b.chunks // blk) * blk) * w.element_size()
-    assert b.weight_group_bytes() == (0 if not READS_GROUPS else
+    assert b.weight_group_bytes() == (0 if not reads_groups(dtype) else
                                       padded_bytes(b.gate_up_proj) + padded_bytes(b.down_proj))
     with reading_weight_groups():
         assert_bitwise(b(x), want, "inside, a current copy")
-    if not READS_GROUPS:
+    if not reads_groups(dtype) or group_rows(dtype) > 1:   # a one-row x: read only from one row
         return
     b._groups[1][0].neg_()                                 # a wrong copy, same key
     assert_bitwise(b(x), want, "outside, whatever the copy holds")
@@ -206,13 +229,13 @@ def test_rollout_with_groups_is_bitwise_the_training_forward(dtype):
     with_groups = generate(m, ps, 10, max_batch_size=4)
     blocks = [b for b in m.modules() if isinstance(b, SparseMoeBlock)]
     assert all(b.weight_groups_current() for b in blocks)
-    assert all((b.weight_group_bytes() > 0) == READS_GROUPS for b in blocks)
+    assert all((b.weight_group_bytes() > 0) == reads_groups(dtype) for b in blocks)
     held = [b._groups[1][0] for b in blocks]
-    if READS_GROUPS:      # an engine without weight groups reads none the model holds
+    if reads_groups(dtype):      # an engine without weight groups reads none the model holds
         for t in held:
             t.neg_()
     without = generate(m, ps, 10, max_batch_size=4, weight_groups=False)
-    if READS_GROUPS:
+    if reads_groups(dtype):
         for t in held:
             t.neg_()
     for a, b in zip(with_groups.sequences, without.sequences, strict=True):
@@ -247,7 +270,7 @@ def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():
     ps = prompts()[:3]
     engine.add(Request("a", ps[0].tolist(), SamplingParams(max_new_tokens=2)))
     engine.step()
-    assert (engine.weight_group_bytes > 0) == READS_GROUPS
+    assert (engine.weight_group_bytes > 0) == reads_groups(torch.bfloat16)
     assert engine.refresh_weight_groups() == 0
     out = generate(m, ps, 6)
     assert rollout_logdiff(m, out, 0.0) == (0.0, True)

@@ -181,7 +181,8 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
             prompt prefill it once); max_step_tokens: tokens a forward feeds at most (chunked
             prefill; None = no limit). Neither changes a bit of the result.
         weight_groups: the engine keeps the expert weights also in column groups laid
-            out the way the AVX512-BF16 build's tiles read them (engine.Engine): packed when missing or stale,
+            out the way the CPU tiles read them (engine.Engine; AVX512-BF16, and fp32 on AVX2):
+            packed when missing or stale,
             kept by the model for the next call (the expert weights' size again in memory;
             free them with `model.drop_weight_groups()`); False: none. It changes no bit.
         progress: show a tqdm bar over finished requests.

@@ -289,7 +289,7 @@ static void pair_panel16(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t ro
 static void linear_panel_bf16(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W, int64_t ldw,
                               int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo, Elem oelem,
                               float* scratch, const uint16_t* /* xpairs: this build reads x in place */,
-                              const uint16_t* /* wgroups: and W in place (no weight_groups) */) {
+                              const uint16_t* /* wgroups: ignored, W read in place (weight_groups_bf16 false) */) {
   IeeeScope ieee;
   const int64_t osz = oelem == Elem::F32 ? 4 : 2;
   for (int64_t r0 = 0; r0 < rows; r0 += tonp::kRowBlock)

@@ -69,7 +69,8 @@ const Kernels* kernels_avx512bf16() {
     t.row_block_f32 = tonp::kRowBlockF32;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
-    t.weight_groups = true;  // its one-row tiles read weight groups (kGroupCols)
+    t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
+    t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;
     t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;

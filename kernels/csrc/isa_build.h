@@ -8,9 +8,9 @@ static const tonp::Kernels kTable = {
     TONP_ISA_NAME, linear_panel, attention, rms_norm, silu_mul, lse_chunks, moe_combine, sexp,
     log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad, pack_lanes,
     kLaneRowsBuild,
-#if defined(TONP_AVX2)
-    tonp::kRowBlockF32,
+#if TONP_AVX2
+    tonp::kRowBlockF32, nullptr, kGroupRowsBuild, false,  // fp32 groups from two rows; no bf16 ones
 #else
-    tonp::kRowBlock,
+    tonp::kRowBlock, nullptr, 0, false,  // no groups
 #endif
 };

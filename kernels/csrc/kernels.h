@@ -166,10 +166,10 @@ struct Kernels {
   // welem, lane_rows_f32) floats (uninitialised). xl: where the call runs lane passes
   // (linear_lane_passes with lane_rows_f32), the same rows lane-packed by pack_lanes (required:
   // those lane passes read x there; the same operands in the same order); otherwise null.
-  // wgroups: where the table has weight_groups, W is fp32 and the panel is whole (ncols ==
-  // kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32) floats):
-  // the call then runs lane passes on it at any row count (xl required) and reads no W. Null: W
-  // in place. The same bits either way.
+  // wgroups: where the table reads fp32 groups (group_rows_f32), W is fp32 and the panel is whole
+  // (ncols == kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32)
+  // floats): from group_rows_f32 rows the call then runs lane passes on it (xl required) and
+  // reads no W. Null: W in place. The same bits either way.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
@@ -190,7 +190,7 @@ struct Kernels {
   void (*log_n)(const float* x, float* y, int64_t n);
   // bf16 x bf16 linear (the pair chains of bf16dot.h): x bf16 rows (row stride ldx, chunk c at
   // x + c * xkc, zero padded to xkc = bf16_chunk_stride(kc)), W bf16, ncols <= kPanelPairs;
-  // otherwise as linear_panel. wgroups: where the table has weight_groups, W's columns in groups
+  // otherwise as linear_panel. wgroups: where the table has weight_groups_bf16, W's columns in groups
   // (the first column's group; weight_group_elems(kc * chunks, chunks, BF16) a group), or null: its
   // one-row tiles read whole groups there; the rest reads W. The same bits either way.
   // scratch: linear_scratch_bf16(chunks, K, rows) floats. xpairs: where the table has pack_pairs
@@ -232,12 +232,21 @@ struct Kernels {
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
-  // Whether linear_panel_bf16 (bf16 weights) and linear_panel (fp32 weights) read weight groups
-  // when given them: the AVX-512 table, where they were measured to pay (its bf16 one-row tiles
-  // on the instruction, its fp32 lane tiles on zmm registers). Elsewhere a packed copy would be
-  // memory for nothing.
-  bool weight_groups;
+  // Weight groups, where they were measured to pay; elsewhere a packed copy would be memory for
+  // nothing. group_rows_f32: linear_panel (fp32 weights) reads the panel's group, when given it,
+  // in tasks of at least this many rows: the AVX-512 table 1 (its lane tiles on zmm registers),
+  // AVX2 2 (its one-row dot tiles read W in place faster); 0: never (portable).
+  // weight_groups_bf16: linear_panel_bf16 reads bf16 groups (the AVX-512 table's one-row tiles on
+  // the instruction).
+  int group_rows_f32;
+  bool weight_groups_bf16;
 };
+
+// Whether table k reads weight groups of a weight of dtype w (pack_weight_groups makes none where
+// it does not).
+inline bool reads_weight_groups(const Kernels* k, Elem w) {
+  return w == Elem::F32 ? k->group_rows_f32 > 0 : k->weight_groups_bf16;
+}
 
 const Kernels* kernels_avx2();
 const Kernels* kernels_portable();

@@ -7,14 +7,21 @@
 // into L2, not L1 (prefetcht1): on the AMD EPYC (Zen 4) the experts' decode stage, 2-8 rows a
 // 64-expert fp32 stream on 2 threads, ran 1.2-1.7x as fast in turn, the lane passes 1.1-1.3x.
 // Neither changes a bit: which rows share a tile and when a line arrives.
+// kGroupRowsBuild: the row count from which a task reads an fp32 weight group it is given (the
+// table's group_rows_f32). AVX2, moe_experts fp32, 128 cold experts, top-8, 2 threads, on the AMD
+// EPYC (Zen 4) running the AVX2 table, against in place: 16 / 32 / 48 / 64 tokens 0.92x / 1.04x /
+// 1.20x / 1.26x reading them from one row, 1.12x / 1.19x / 1.24x / 1.32x from two (one row an
+// expert streams its weight faster through the in-place dot tiles); 128 tokens 1.53x.
 #if defined(TONP_AVX512)
 constexpr int kDotTileRows = 4;
 constexpr int kLaneRowsBuild = tonp::kLaneRowsZmm;
 constexpr int kWeightPrefetch = 2;
+constexpr int kGroupRowsBuild = 1;
 #else
 constexpr int kDotTileRows = 3;
 constexpr int kLaneRowsBuild = tonp::kLaneRows;
 constexpr int kWeightPrefetch = 3;
+constexpr int kGroupRowsBuild = 2;
 #endif
 static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kWeightPrefetch); }
 
@@ -433,8 +440,8 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)
   // Few rows stream the weight in place as dot products (bf16 widened as it is loaded: half the
   // bytes of fp32); more rows (linear_lane_passes) run lane passes, and so does every row count
-  // given the panel's fp32 weight group.
-  const float* wg = welem == Elem::F32 && ncols == kPanel ? wgroups : nullptr;
+  // from kGroupRowsBuild given the panel's fp32 weight group.
+  const float* wg = welem == Elem::F32 && ncols == kPanel && rows >= kGroupRowsBuild ? wgroups : nullptr;
   const bool lanes = wg || tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (welem == Elem::F32) {
     const float* w = static_cast<const float*>(W);

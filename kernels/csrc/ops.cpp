@@ -112,7 +112,7 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   TORCH_CHECK_VALUE(chunks <= kMaxChunks, "tonp.pack_weight_groups: at most ", kMaxChunks, " reduction chunks, got ", chunks);
   const Elem we = elem_of(w, "pack_weight_groups", "weight");
   const int64_t gc = weight_group_cols(we), G = N / gc;
-  if (!K()->weight_groups || G == 0 || Kd == 0) return at::empty({0}, w.options());
+  if (!reads_weight_groups(K(), we) || G == 0 || Kd == 0) return at::empty({0}, w.options());
   const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we);
   at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);

@@ -155,7 +155,7 @@ inline Scratch scratch_floats(int64_t n) {
 // (Kernels::pack_pairs). of(block, ...) returns the packing the call takes (null where the kernel
 // reads x in place), packing when the block differs from the last one packed. Built for blocks of
 // at most max_rows rows. grouped: fp32 arithmetic on fp32 weight groups, whose lane passes run
-// at every row count (linear_panel), so every block is lane-packed.
+// from the table's group_rows_f32 rows (linear_panel), so every such block is lane-packed.
 class XPack {
  public:
   XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem, bool grouped = false)
@@ -166,7 +166,8 @@ class XPack {
                             : pairs ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), kc > 0 ? K / kc : 0, xkc_)
                                     : max_rows * K)) {}
   const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_) : grouped_ || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
+    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_)
+                         : (grouped_ && rows >= kern_->group_rows_f32) || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
       return nullptr;
     if (block != packed_) {
       if (pairs_)
@@ -221,7 +222,7 @@ inline const void* weight_groups_of(const std::optional<at::Tensor>& g, const at
   TORCH_CHECK_VALUE(g->sizes() == at::IntArrayRef(want), "tonp.", op, ": ", what, "_groups has shape ", g->sizes(),
                     ", but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " has ",
                     at::IntArrayRef(want), " (packed from another weight, or for other chunks?)");
-  if (!K()->weight_groups) return nullptr;
+  if (!reads_weight_groups(K(), w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16)) return nullptr;
   return g->data_ptr();
 }
 

@@ -52,8 +52,9 @@ class Engine:
             requests (expert parallelism without tensor parallelism between them): a rank
             without work runs a one-token forward while a peer has work (see `idle_everywhere`).
         weight_groups: keep the expert weights also in column groups, laid out the way the
-            AVX512-BF16 build's tiles read them (layers/weight_groups.py; the same bits). Costs the expert
-            weights' size again in memory on that build (held by the model until
+            AVX512-BF16 build's tiles read them, fp32 ones also on the AVX2 build
+            (layers/weight_groups.py; the same bits). Costs the expert weights' size again in
+            memory where they are read (held by the model until
             drop_weight_groups()), nothing elsewhere. After changing the weights other than by
             in-place tensor ops or a torch optimizer, call clear_prefix_cache() (as the prefix
             cache's K/V need anyway).
