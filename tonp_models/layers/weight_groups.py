@@ -2,9 +2,10 @@
 them (tonp_kernels.pack_weight_groups; kernels.h): bf16 in eight-column groups that the one-row
 tiles read as one stream, fp32 in sixteen-column panels in the lane tiles' order, read at every
 row count (the AVX2 build: fp32 only, from two rows). The same bits as the weights in place, the
-same size again in memory. The MoE experts hold them, where on the AMD EPYC (Zen 4) the bf16 one-row experts streamed 1.2-1.4x as fast on
-the fast bus (1.0-1.1x on the slow one) and the fp32 experts 1.03-1.24x at 1-16 rows
-(docs/performance.md). The dense linears and the LM head do not (bf16 measured): one long
+same size again in memory. The MoE experts hold them, where on the AMD EPYC (Zen 4) the bf16
+one-row experts streamed 1.2-1.4x as fast on the fast bus (1.0-1.1x on the slow one) and the fp32
+experts 1.03-1.24x at 1-16 rows (the AVX2 table there: 1.12-1.53x at 1-8 rows;
+docs/performance.md). The dense linears and the LM head do not (bf16 measured): one long
 weight read in place (eight streams a row apart marching together) ran as fast or faster there
 (0.82-1.02x for the groups on the slow bus).
 
