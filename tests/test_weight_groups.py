@@ -179,6 +179,15 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
     for name, (ids, w) in want.items():
         assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), w,
                        f"{env[0]} with groups, {name}")
+    if reads_groups(dtype, isa):   # the twin: groups of other weights change what reads them
+        other = _experts(6, 64, 256, seed=5, dtype=dtype)
+        og, od = tk.pack_weight_groups(other[0], 8), tk.pack_weight_groups(other[1], 8)
+        for name, (ids, w) in want.items():
+            got = tk.moe_experts(x, ids, gu, dn, gate_up_groups=og, down_groups=od)
+            if name == "one row an expert":    # below group_rows_f32: W in place
+                assert_bitwise(got, w, f"{isa}, one row an expert reads W")
+            else:
+                assert not torch.equal(got, w), f"{isa}, {name}: the groups not read"
 
 
 def _block(dtype=torch.bfloat16):
