@@ -199,12 +199,15 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """t's values (the same bits, contiguous) in memory on 2 MB transparent huge pages, where the
     kernel grants them: for weights that every decode step streams whole, one TLB entry per 2 MB
     instead of 512 (the column groups of pack_weight_groups are made there too). t itself when it
-    is under 4 MB or not on the CPU; a plain copy under TONP_HUGE_PAGES=0 or where the system
-    has transparent huge pages off. The caller swaps it in (`param.data = on_huge_pages(...)`).
+    is under 4 MB, not on the CPU, or already a contiguous tensor at a 2 MB boundary (such a copy:
+    calling again copies nothing); a plain copy under TONP_HUGE_PAGES=0 or where the system has
+    transparent huge pages off. The caller swaps it in (`param.data = on_huge_pages(...)`).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tonp.on_huge_pages: expected a tensor, got {type(t).__name__}")
     if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE_MIN_BYTES:
+        return t
+    if t.is_contiguous() and t.data_ptr() % (2 << 20) == 0:
         return t
     with torch.no_grad():
         return torch.ops.tonp.huge_pages_copy(t.detach())

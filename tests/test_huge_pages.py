@@ -49,6 +49,7 @@ def test_on_huge_pages_is_an_exact_contiguous_copy_2mb_aligned(dtype):
     ht = tk.on_huge_pages(t)
     assert ht.is_contiguous() and _aligned(ht)
     assert_bitwise(ht, t, "a view's copy")
+    assert tk.on_huge_pages(h) is h                               # already there: no copy
 
 
 def test_on_huge_pages_leaves_small_and_non_cpu_tensors_and_refuses_others():
@@ -99,9 +100,10 @@ def test_the_model_keeps_its_large_weights_on_huge_pages_with_the_same_bits(tmp_
     assert all(_aligned(p) for n, p in loaded.named_parameters() if n in big)
     for (n, a), b in zip(m.named_parameters(), loaded.parameters(), strict=True):
         assert_bitwise(b, a, n)
-    params = list(m.parameters())
-    m.weights_to_huge_pages()                                     # again: the same Parameters
+    params, ptrs = list(m.parameters()), [p.data_ptr() for p in m.parameters()]
+    m.weights_to_huge_pages()                                     # again: nothing to copy
     assert list(m.parameters()) == params and all(p.requires_grad for p in params)
+    assert [p.data_ptr() for p in m.parameters()] == ptrs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

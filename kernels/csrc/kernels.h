@@ -12,7 +12,7 @@
 namespace tonp {
 
 constexpr int kPanel = 16;  // output columns per weight panel (one micro tile wide)
-constexpr int kRowBlock = 96;  // rows per linear task (a multiple of the 4-row lane tile)
+constexpr int kRowBlock = 96;  // rows per fp32 linear task in the portable build; the bf16 pair chains' row block
 constexpr int kRowBlockF32 = 256;  // the same for fp32 arithmetic in the AVX2 and AVX-512 builds (Kernels::row_block_f32)
 constexpr int kMaxChunks = 64;  // the most reduction chunks C a linear may use
 constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or more run lane passes
