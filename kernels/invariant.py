@@ -27,11 +27,11 @@ _ARGMAX, _MAX_WITH_INDEX, _SAMPLE = op("argmax"), op("max_with_index"), op("samp
 
 
 # --- linear, normalisation, elementwise, attention, MoE ---------------------------------------
-def linear(x, weight, bias, chunks, out_dtype):
+def linear(x, weight, bias, chunks, out_dtype, weight_groups=None):
     if x.dim() == 2:  # the decode / training shape: no reshapes (each costs ~3 us)
-        return _LINEAR(x, weight, bias, chunks, out_dtype)
+        return _LINEAR(x, weight, bias, chunks, out_dtype, weight_groups)
     check.floats(x, op="linear", name="x", layout="[..., K]")
-    y = _LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, chunks, out_dtype)
+    y = _LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, chunks, out_dtype, weight_groups)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -22,14 +22,23 @@ DEFAULT_CHUNKS = 8
 # Linear and the chunk tree
 # ---------------------------------------------------------------------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           chunks: int = DEFAULT_CHUNKS, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+           chunks: int = DEFAULT_CHUNKS, out_dtype: Optional[torch.dtype] = None,
+           weight_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ weight.T + bias. x [..., K], weight [N, K], bias [N] -> [..., N] (x.dtype or out_dtype).
 
     Invariant mode: K is cut into `chunks` equal chunks, each a sequential fp32 FMA chain over k,
     combined by the fixed pairwise tree; one rounding at the output.
+    weight_groups: `pack_weight_groups(weight, chunks)`, a copy of the weight the caller keeps
+    (and remakes whenever the weight changes): the CPU kernels read it where their table reads
+    groups (fp32: the lane passes, which then transpose no weight per task; bf16 x bf16: the
+    one-row tiles). The same bits with or without; a training forward (any tensor requiring
+    grad) and other backends read the weight in place.
     """
     chunks = check.integer(chunks, op="linear", name="chunks")
-    return impl("linear", x, weight, bias)(x, weight, bias, chunks, out_dtype)
+    fn = impl("linear", x, weight, bias)
+    if weight_groups is None:
+        return fn(x, weight, bias, chunks, out_dtype)
+    return fn(x, weight, bias, chunks, out_dtype, weight_groups)
 
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, *, chunks: int) -> torch.Tensor:
@@ -171,7 +180,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
 def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
                        ) -> Optional[torch.Tensor]:
     """A weight [..., N, K] (an expert stack [E, N, K] too; bf16 or fp32) copied into column
-    groups laid out the way the CPU kernels read it (moe_experts' gate_up_groups / down_groups),
+    groups laid out the way the CPU kernels read it (linear's weight_groups, moe_experts'
+    gate_up_groups / down_groups),
     or None where this process's kernels read none (the AVX512-BF16 build reads both dtypes,
     the AVX2 build fp32 from two rows a task, the portable build none) or the
     weight is not on the CPU: then nothing is gained, and no memory spent. An exact copy of the

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from . import _arg_checks as check, _op_checks as opcheck
 
 
-def linear(x, weight, bias=None, chunks=None, out_dtype=None):
+def linear(x, weight, bias=None, chunks=None, out_dtype=None, weight_groups=None):
+    """F.linear in x's dtype (the CPU kernels' column groups are not read here)."""
     opcheck.linear(x, weight, bias, chunks, out_dtype)
     if weight.dtype != x.dtype:  # the kernels accept mixed float32 / bfloat16; F.linear does not
         weight = weight.to(x.dtype)

@@ -200,10 +200,11 @@ def launch_fast_linear(x, w, bias, out, chunks: int, tiles=None, w_estride: int 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           chunks: int = 8, out_dtype: Optional[torch.dtype] = None, *,
+           chunks: int = 8, out_dtype: Optional[torch.dtype] = None, weight_groups=None, *,
            split: Optional[int] = None) -> torch.Tensor:
     """Fast numerics of tonp_kernels.linear: x [..., K], weight [N, K], bias [N] -> [..., N]
-    (out_dtype or x.dtype). split: programs per output tile (None: chosen; never changes a bit)."""
+    (out_dtype or x.dtype). split: programs per output tile (None: chosen; never changes a bit).
+    weight_groups: the CPU kernels' column groups of the weight, not read here."""
     opcheck.linear(x, weight, bias, chunks, out_dtype)
     check_device("linear", x, weight, *([bias] if bias is not None else []))
     K, N = x.shape[-1], weight.shape[0]

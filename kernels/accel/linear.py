@@ -182,11 +182,12 @@ def launch_linear(x, w, bias, out, chunks: int, tiles=None, w_estride: int = 0,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           chunks: int = 8, out_dtype: Optional[torch.dtype] = None, *,
+           chunks: int = 8, out_dtype: Optional[torch.dtype] = None, weight_groups=None, *,
            block: Optional[tuple] = None, pairs: Optional[bool] = None) -> torch.Tensor:
     """torch.ops.tonp.linear's bits: x [M, K], weight [N, K], bias [N] -> [M, N] (out_dtype or
     x.dtype). block: (BM, BN) to override the tile (it never changes a bit); pairs: force the
-    bf16 x bf16 pair chains on or off (None: as the loaded C++ build, see uses_pairs)."""
+    bf16 x bf16 pair chains on or off (None: as the loaded C++ build, see uses_pairs).
+    weight_groups: the CPU kernels' column groups of the weight, not read here."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"tonp.linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                          "match: expected x [M, K] and weight [N, K]")

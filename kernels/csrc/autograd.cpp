@@ -31,7 +31,8 @@ struct Below {
   }
 };
 
-using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, std::optional<at::ScalarType>);
+using LinearSig = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, std::optional<at::ScalarType>,
+                         const std::optional<Tensor>&);
 using RmsSig = Tensor(const Tensor&, const Tensor&, double);
 using SiluSig = Tensor(const Tensor&, const Tensor&);
 using RouteSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool);
@@ -70,7 +71,7 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     ctx->save_for_backward({x, w});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     if (bias.has_value() && bias->defined()) ctx->saved_data["bias_dtype"] = bias->scalar_type();
-    return k(x, w, bias, chunks, out_dtype);
+    return k(x, w, bias, chunks, out_dtype, std::nullopt);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // The backward GEMM over fixed tiles (grad_kernels.cpp): bf16 operands stay bf16 (vdpbf16ps
@@ -86,14 +87,16 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
   }
 };
 
+// weight_groups (a caller's column groups of the weight): the inference forward reads them; the
+// training forward reads the weight in place (the same bits).
 Tensor linear_ad(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t chunks,
-                 std::optional<at::ScalarType> out_dtype) {
+                 std::optional<at::ScalarType> out_dtype, const std::optional<Tensor>& weight_groups) {
   const Tensor none;
   if (!any_requires_grad({&x, &w, bias.has_value() ? &*bias : &none})) {
     static const Below<LinearSig> k("tonp::linear");
-    return k(x, w, bias, chunks, out_dtype);
+    return k(x, w, bias, chunks, out_dtype, weight_groups);
   }
-  return LinearFn::apply(x, w, bias, chunks, out_dtype);
+  return LinearFn::apply(x, w, bias, chunks, out_dtype);  // weight_groups not read: W in place
 }
 
 // --- rms_norm: y = w * round(x * r), r = rsqrt(mean(x^2) + eps) -------------------------------

@@ -9,7 +9,8 @@
 #include "ops_common.h"
 
 TORCH_LIBRARY(tonp, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int chunks, ScalarType? out_dtype) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int chunks, ScalarType? out_dtype, "
+        "Tensor? weight_groups=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, int block) -> Tensor");
@@ -29,8 +30,8 @@ TORCH_LIBRARY(tonp, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("moe_experts_backward(Tensor grad, Tensor x, Tensor expert_ids, Tensor gate_up, Tensor down, int first_expert, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
-  // A bf16 weight's columns in groups for the one-row tiles (ops.cpp; empty where the table reads
-  // none): the copy a caller keeps beside the weight and passes as moe_experts' *_groups.
+  // A weight's columns in groups (ops.cpp; empty where the table reads none): the copy a caller
+  // keeps beside the weight and passes as linear's weight_groups or moe_experts' *_groups.
   m.def("pack_weight_groups(Tensor weight, int chunks) -> Tensor");
   // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
   // (TONP_FORCE_PORTABLE=1, or no AVX2).
