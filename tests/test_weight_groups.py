@@ -298,8 +298,109 @@ def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():
         blocks[1].down_proj.mul_(1.5)                               # a tracked write: one layer
     assert engine.refresh_weight_groups() == 1
     engine.clear_prefix_cache()
-    assert engine.refresh_weight_groups() == len(blocks)         # the experts hold them
+    holders = [x for x in m.modules() if hasattr(x, "pack_weight_groups")]   # experts, dense
+    assert len(holders) > len(blocks)
+    assert engine.refresh_weight_groups() == len(holders)        # every holder re-packed
     out = generate(m, ps, 6)
     assert rollout_logdiff(m, out, 0.0) == (0.0, True)
     engine.drop_weight_groups()
     assert engine.weight_group_bytes == 0
+
+
+# --- the dense linear (tk.linear's weight_groups; the layers' dense_grouped) ------------------
+def lane_rows() -> int:
+    """The rows from which the fp32 linear's tasks run lane passes (and read fp32 groups)."""
+    return {"avx512bf16": 32, "avx2": 8}.get(tk.isa(), 8)
+
+
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("N,K,chunks", [(160, 256, 8), (72, 200, 4), (40, 64, 8), (48, 2048, 8),
+                                        (17, 96, 2)])
+def test_linear_with_groups_is_bitwise_in_place(N, K, chunks, wdtype, xdtype):
+    """tk.linear given its weight's groups: every row count across the lane-pass threshold and
+    the 256-row blocks, chunks of at most one lane step (kc <= 8) and with a lane one step
+    longer than its pair, N not a multiple of 16 (an edge panel read in place), a bias, bf16
+    out, bf16 x on fp32 weights and bf16 pair chains (one-row tiles on bf16 groups): the same
+    bits as without."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(N, K, generator=g).to(wdtype)
+    b = torch.randn(N, generator=g)
+    groups = _packed(w, chunks)
+    for M in (1, 2, 3, 7, 8, 9, 31, 32, 33, 64, 257, 300):
+        x = torch.randn(M, K, generator=g).to(xdtype)
+        for bias, odt in ((None, None), (b, torch.bfloat16)):
+            want = tk.linear(x, w, bias, chunks=chunks, out_dtype=odt)
+            got = tk.linear(x, w, bias, chunks=chunks, out_dtype=odt, weight_groups=groups)
+            assert_bitwise(got, want, f"M={M}, bias {bias is not None}")
+
+
+@pytest.mark.parametrize("env", [None, ("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
+def test_linear_reads_fp32_groups_from_the_lane_pass_rows(env, monkeypatch):
+    """The twin: groups packed from another weight change the rows whose tasks run lane passes
+    (so the equality above compares a path that reads them) and leave fewer rows, which read W in
+    place, unchanged; the portable table reads none. A forward that records gradients reads W."""
+    g = torch.Generator().manual_seed(3)
+    w, other = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+    og = _packed(other, 8)
+    if env is not None:
+        monkeypatch.setenv(*env)
+    rows = lane_rows()
+    x = torch.randn(rows + 5, 256, generator=g)
+    got = tk.linear(x, w, weight_groups=og)
+    want = tk.linear(x, w)
+    if reads_groups(torch.float32):
+        assert not torch.equal(got, want), f"{tk.isa()}: {rows} rows did not read the groups"
+    else:
+        assert_bitwise(got, want, "the portable table reads W in place")
+    few = x[:rows - 1]
+    assert_bitwise(tk.linear(few, w, weight_groups=og), tk.linear(few, w), f"{rows - 1} rows: W")
+    wr = w.clone().requires_grad_()
+    assert_bitwise(tk.linear(x, wr, weight_groups=og).detach(), want, "training forward: W")
+
+
+def test_linear_refuses_bad_groups_with_the_reason():
+    w = torch.randn(32, 256)
+    x = torch.randn(40, 256)
+    g4 = tk.pack_weight_groups(w, 4)
+    if g4 is not None:
+        with pytest.raises(ValueError, match="weight_groups has shape .*pack_weight_groups of "
+                                             "weight .* chunks=8"):
+            tk.linear(x, w, weight_groups=g4)
+        with pytest.raises(ValueError, match="weight_groups has shape"):
+            tk.linear(x, torch.randn(48, 256), chunks=4, weight_groups=g4)
+    with pytest.raises(TypeError, match="weight's dtype Float .*got BFloat16"):
+        tk.linear(x, w, weight_groups=torch.zeros(8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_layers_hold_fp32_groups_only_and_roll_out_the_same_bits(dtype):
+    """In the model, the attention projections and the LM head hold groups of fp32 weights (and
+    none of bf16 ones, where the one-row tiles read in place as fast); the engine reads them at
+    a batch whose rows run lane passes: the same tokens and logprobs as an engine with none,
+    logdiff 0 against the training forward. The twin: negated copies change that rollout."""
+    from tonp_models.layers.embedding import LMHead
+    from tonp_models.layers.linear import ColumnParallelLinear, RowParallelLinear
+    m = tiny_model(dtype)
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, m.config.vocab_size, (5,), generator=g) for _ in range(lane_rows() + 3)]
+    out = generate(m, ps, 3, max_batch_size=len(ps))
+    dense = [d for d in m.modules() if isinstance(d, (ColumnParallelLinear, RowParallelLinear, LMHead))]
+    assert dense and all(d.weight_groups_current() for d in dense)
+    held = (dtype == torch.float32 and reads_groups(dtype))
+    assert all((d.weight_group_bytes() > 0) == held for d in dense)
+    without = generate(m, ps, 3, max_batch_size=len(ps), weight_groups=False)
+    for a, b in zip(out.logprobs, without.logprobs, strict=True):
+        assert_bitwise(a, b, "logprobs")
+    for a, b in zip(out.sequences, without.sequences, strict=True):
+        assert_bitwise(a, b, "tokens")
+    assert rollout_logdiff(m, out, 0.0) == (0.0, True)
+    if held:
+        for d in dense:
+            d._groups[1][0].neg_()          # a wrong copy, same key: read inside the engine
+        try:
+            bad = generate(m, ps, 3, max_batch_size=len(ps))
+        finally:
+            m.drop_weight_groups()          # the shared tiny model: no wrong copy left behind
+        assert any(not torch.equal(a, b) for a, b in zip(bad.logprobs, out.logprobs))

@@ -180,10 +180,10 @@ def generate(model, prompts: Sequence[TokenIds], max_new_tokens: int,
         prefix_cache: share the K/V pages of prompt prefixes between requests (G samples of a
             prompt prefill it once); max_step_tokens: tokens a forward feeds at most (chunked
             prefill; None = no limit). Neither changes a bit of the result.
-        weight_groups: the engine keeps the expert weights also in column groups laid
-            out the way the CPU tiles read them (engine.Engine; AVX512-BF16, and fp32 on AVX2):
-            packed when missing or stale, kept by the model for the next call (the expert
-            weights' size again in memory; free them with `model.drop_weight_groups()`); False:
+        weight_groups: the engine keeps the expert weights (and fp32 dense weights) also in
+            column groups laid out the way the CPU tiles read them (engine.Engine; AVX512-BF16,
+            and fp32 on AVX2): packed when missing or stale, kept by the model for the next call
+            (those weights' size again in memory; free them with `model.drop_weight_groups()`); False:
             none. It changes no bit.
         progress: show a tqdm bar over finished requests.
     Returns: GenerationOutput (sequences, fp32 logprobs, prompt lengths, finish reasons, stats).

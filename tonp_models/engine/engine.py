@@ -51,9 +51,9 @@ class Engine:
         lockstep_group: a process group whose ranks step together although they hold different
             requests (expert parallelism without tensor parallelism between them): a rank
             without work runs a one-token forward while a peer has work (see `idle_everywhere`).
-        weight_groups: keep the expert weights also in column groups, laid out the way the
-            AVX512-BF16 build's tiles read them, fp32 ones also on the AVX2 build
-            (layers/weight_groups.py; the same bits). Costs the expert weights' size again in
+        weight_groups: keep the expert weights (and fp32 dense weights) also in column groups,
+            laid out the way the AVX512-BF16 build's tiles read them, fp32 ones also on the AVX2
+            build (layers/weight_groups.py; the same bits). Costs those weights' size again in
             memory where they are read (held by the model until
             drop_weight_groups()), nothing elsewhere. After changing the weights other than by
             in-place tensor ops or a torch optimizer, call clear_prefix_cache() (as the prefix
@@ -85,10 +85,11 @@ class Engine:
         self.lockstep_group = lockstep_group
         self.requests: Dict[Any, Request] = {}
         self._news: List[StepOutput] = []   # outputs of requests that ended between steps
-        # Layers that keep their weights in column groups in the kernels' reading order (the experts),
+        # Layers that keep their weights in column groups in the kernels' reading order (the
+        # experts; the dense linears and the LM head, fp32 weights),
         # read by engine forwards only: packed before a step where missing or made from weights
         # that changed since (layers/weight_groups.py checks), and afresh after clear_prefix_cache
-        # (every weight update calls it). The same bits, more speed, and the expert weights'
+        # (every weight update calls it). The same bits, more speed, and those weights'
         # size again in memory, held by the model (weight_groups=False: none).
         modules = getattr(model, "modules", None) if weight_groups else None
         self._grouped = [m for m in modules() if hasattr(m, "pack_weight_groups")] \

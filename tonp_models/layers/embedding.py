@@ -21,6 +21,7 @@ from torch import nn
 import tonp_kernels as tk
 
 from .linear import Shard, _divide, _tp_rank, _tp_size
+from .weight_groups import HoldsWeightGroups, dense_grouped
 
 # The vocabulary's chunk tree (tonp_kernels.token_logprobs' default: what TP 1 scores with).
 VOCAB_CHUNKS = tk.DEFAULT_CHUNKS
@@ -87,7 +88,7 @@ class _Lookup(torch.autograd.Function):
         return torch.ops.tonp.embedding_backward(grad, flat, ctx.rows), None
 
 
-class LMHead(nn.Module):
+class LMHead(HoldsWeightGroups, nn.Module):
     """h [..., H] -> fp32 logits [..., V] = h @ W.T, with W [V / t, H] its own or the embedding's
     (tied). Logits are fp32 in every dtype so rollout and training score from the same bits."""
 
@@ -114,7 +115,12 @@ class LMHead(nn.Module):
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
             h = copy_to_region(h, self.tp_group)
-        return tk.linear(h, self._weight(), chunks=self.chunks, out_dtype=torch.float32)
+        g = self._read_groups()
+        return tk.linear(h, self._weight(), chunks=self.chunks, out_dtype=torch.float32,
+                         weight_groups=None if g is None else g[0])
+
+    def _grouped_weights(self):
+        return (dense_grouped(self._weight()),)   # the tied embedding's too: the same tensor
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on every rank (under TP the shards are gathered: exact)."""

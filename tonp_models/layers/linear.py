@@ -12,6 +12,8 @@ At TP 1 (tp_group None) both are `tonp_kernels.linear(x, W, chunks=C)`. At TP t:
   tonp_parallel.SequenceSplit) the same tree as a reduce-scatter, keeping this rank's rows.
   The bias comes after.
 Each sharded parameter is described by a `tonp_parallel.Shard` in the module's `shards`.
+Both hold fp32 weights also in column groups for the rollout engine's forwards where the
+forward reads the local weight as it is (layers/weight_groups.py): the same bits.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from torch import nn
 
 import tonp_kernels as tk
 from tonp_parallel.sharding import Shard  # moe.py and embedding.py import it from here too
+
+from .weight_groups import HoldsWeightGroups, dense_grouped
 
 
 def _tp_size(group) -> int:
@@ -44,7 +48,7 @@ def _divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HoldsWeightGroups, nn.Module):
     """y = x @ W.T (+ b) with W [out_features / s, in_features] local. x [..., in] -> [..., out/s].
 
     Args: in_features, out_features (global sizes), bias, chunks (C of the chunk tree over
@@ -86,14 +90,20 @@ class ColumnParallelLinear(nn.Module):
                 from tonp_parallel.sharding import sum_over_replicas
                 w = sum_over_replicas(w, self.tp_group, self.copies)
                 b = None if b is None else sum_over_replicas(b, self.tp_group, self.copies)
-        return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype)
+        g = self._read_groups() if self.copies == 1 else None
+        return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype,
+                         weight_groups=None if g is None else g[0])
+
+    def _grouped_weights(self):
+        # Copies > 1: the forward reads the replicas' sum, not this weight.
+        return (dense_grouped(self.weight) if self.copies == 1 else None,)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), "
                 f"tp={self.tp_size}, copies={self.copies}, chunks={self.chunks}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HoldsWeightGroups, nn.Module):
     """y = x @ W.T (+ b) with W [out_features, in_features / t] local; x [..., in/t] -> [..., out].
 
     The input is the column-parallel output of this rank; the result is complete on every rank.
@@ -118,7 +128,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
         """x [T, in/t] -> [T, out] (under sequence parallelism `sp`: this rank's [n, out])."""
         if self.tp_size == 1:
-            return tk.linear(x, self.weight, self.bias, chunks=self.chunks)
+            g = self._read_groups()
+            return tk.linear(x, self.weight, self.bias, chunks=self.chunks,
+                             weight_groups=None if g is None else g[0])
         from tonp_parallel import reduce_from_region
         from .probe import probe
         # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the
@@ -131,6 +143,10 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+    def _grouped_weights(self):
+        # TP > 1: the forward reads a partial over C / t chunks (linear_partial), in place.
+        return (dense_grouped(self.weight) if self.tp_size == 1 else None,)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.local_in}), out={self.out_features}, "

@@ -2,12 +2,17 @@
 them (tonp_kernels.pack_weight_groups; kernels.h): bf16 in eight-column groups that the one-row
 tiles read as one stream, fp32 in sixteen-column panels in the lane tiles' order, read at every
 row count (the AVX2 build: fp32 only, from two rows). The same bits as the weights in place, the
-same size again in memory. The MoE experts hold them, where on the AMD EPYC (Zen 4) the bf16
-one-row experts streamed 1.2-1.4x as fast on the fast bus (1.0-1.1x on the slow one) and the fp32
-experts 1.03-1.24x at 1-16 rows (the AVX2 table there: 1.12-1.53x at 1-8 rows;
-docs/performance.md). The dense linears and the LM head do not (bf16 measured): one long
-weight read in place (eight streams a row apart marching together) ran as fast or faster there
-(0.82-1.02x for the groups on the slow bus).
+same size again in memory. Who holds them, from measurements on the AMD EPYC (Zen 4):
+- the MoE experts, both dtypes: the bf16 one-row experts streamed 1.2-1.4x as fast on the fast
+  bus (1.0-1.1x on the slow one), the fp32 experts 1.03-1.24x at 1-16 rows (the AVX2 table
+  there: 1.12-1.53x at 1-8 rows; docs/performance.md);
+- the dense linears and the LM head, fp32 weights only (`dense_grouped`): `tk.linear` reads
+  their groups in the tasks that run lane passes anyway (32 rows and more on AVX-512, 8 on
+  AVX2), which then transpose no weight chunk per task: 64 rows 1.17-1.24x (194-199 GFLOP/s on
+  2 threads), prefill row blocks 1.05-1.08x; fewer rows read the weight in place. Their bf16
+  weights hold none: one long weight read in place (eight streams a row apart marching
+  together) ran as fast or faster through the one-row tiles (0.82-1.02x for the groups on the
+  slow bus).
 
 A copy is only as good as its match with the weights, so:
 - only forwards inside `reading_weight_groups()` read it: the rollout engine's steps
@@ -53,6 +58,11 @@ def reading_weight_groups() -> Iterator[None]:
         yield
     finally:
         _READ_GROUPS.reset(token)
+
+
+def dense_grouped(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The weight a dense linear (or the LM head) keeps in groups: fp32 weights only (above)."""
+    return weight if weight is not None and weight.dtype == torch.float32 else None
 
 
 class HoldsWeightGroups:

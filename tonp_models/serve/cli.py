@@ -48,8 +48,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="tokens a forward feeds at most (chunked prefill; default: no limit)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--no-weight-groups", action="store_true",
-                    help="keep no second copy of the expert weights in column groups (the "
-                         "AVX512-BF16 build's faster expert reads in decode; the same bits)")
+                    help="keep no second copy of the expert and fp32 dense weights in column "
+                         "groups (the CPU tiles' faster reads in decode; the same bits)")
     ap.add_argument("--max-n", type=int, default=64, help="sequences one request may ask for")
     ap.add_argument("--max-logprobs", type=int, default=20,
                     help="top (and prompt) logprobs a request may ask for (-1 = the vocab)")
