@@ -404,3 +404,15 @@ def test_dense_layers_hold_fp32_groups_only_and_roll_out_the_same_bits(dtype):
         finally:
             m.drop_weight_groups()          # the shared tiny model: no wrong copy left behind
         assert any(not torch.equal(a, b) for a, b in zip(bad.logprobs, out.logprobs))
+
+
+def test_linear_reads_bf16_groups_in_the_one_row_tiles():
+    """The bf16 twin: where the table reads bf16 groups, another weight's groups change a
+    one-row bf16 x bf16 output (the one-row pair tiles read them) and leave two rows (read in
+    place) unchanged."""
+    g = torch.Generator().manual_seed(5)
+    w, other = (torch.randn(64, 256, generator=g).bfloat16() for _ in range(2))
+    og = _packed(other, 8)
+    x = torch.randn(2, 256, generator=g).bfloat16()
+    assert not torch.equal(tk.linear(x[:1], w, weight_groups=og), tk.linear(x[:1], w))
+    assert_bitwise(tk.linear(x, w, weight_groups=og), tk.linear(x, w), "two rows: W in place")
