@@ -115,9 +115,8 @@ class LMHead(HoldsWeightGroups, nn.Module):
         if self.tp_size > 1:
             from tonp_parallel import copy_to_region
             h = copy_to_region(h, self.tp_group)
-        g = self._read_groups()
         return tk.linear(h, self._weight(), chunks=self.chunks, out_dtype=torch.float32,
-                         weight_groups=None if g is None else g[0])
+                         weight_groups=self._read_group())
 
     def _grouped_weights(self):
         return (dense_grouped(self._weight()),)   # the tied embedding's too: the same tensor

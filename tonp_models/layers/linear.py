@@ -90,9 +90,8 @@ class ColumnParallelLinear(HoldsWeightGroups, nn.Module):
                 from tonp_parallel.sharding import sum_over_replicas
                 w = sum_over_replicas(w, self.tp_group, self.copies)
                 b = None if b is None else sum_over_replicas(b, self.tp_group, self.copies)
-        g = self._read_groups() if self.copies == 1 else None
         return tk.linear(x, w, b, chunks=self.chunks, out_dtype=self.out_dtype,
-                         weight_groups=None if g is None else g[0])
+                         weight_groups=self._read_group() if self.copies == 1 else None)
 
     def _grouped_weights(self):
         # Copies > 1: the forward reads the replicas' sum, not this weight.
@@ -128,9 +127,8 @@ class RowParallelLinear(HoldsWeightGroups, nn.Module):
     def forward(self, x: torch.Tensor, sp=None) -> torch.Tensor:
         """x [T, in/t] -> [T, out] (under sequence parallelism `sp`: this rank's [n, out])."""
         if self.tp_size == 1:
-            g = self._read_groups()
             return tk.linear(x, self.weight, self.bias, chunks=self.chunks,
-                             weight_groups=None if g is None else g[0])
+                             weight_groups=self._read_group())
         from tonp_parallel import reduce_from_region
         from .probe import probe
         # The kernel adds the bias in fp32 after the chunk tree, before its one rounding: the

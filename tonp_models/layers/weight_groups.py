@@ -112,3 +112,8 @@ class HoldsWeightGroups:
             self._groups = None
             return None
         return self._groups[1]
+
+    def _read_group(self) -> Optional[torch.Tensor]:
+        """The one group a layer of one grouped weight reads (the dense linears), or None."""
+        groups = self._read_groups()
+        return None if groups is None else groups[0]
