@@ -18,8 +18,8 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     sampling: the Python overhead), reported apart;
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
     --peer, vLLM (`benchmarks/peer_vllm.py` in `.venv-vllm`), alternated round by round with the
-    idle engine paused (SIGSTOP), best of --rounds after a warm-up; their ratio, and the ratio of
-    their decode steps alone (each generate less the same prompts' 1-token generate), with the
+    idle engine paused (SIGSTOP), best of --rounds after a 2-token warm-up of the same batch;
+    their ratio, and the ratio of their decode steps alone (each generate less the same prompts' 1-token generate), with the
     read bandwidth probed around each engine's round (a ratio of rounds on buses more than 20%
     apart is marked), and the median ratio over the rounds whose two runs saw one bus;
   * whether each engine's logprobs of prompt 0 at batch 1 equal those at batch B (tonp:
@@ -307,9 +307,13 @@ def main(argv=None) -> dict:
             for b in batches:
                 prompts = all_prompts[:b].tolist()
                 torch.ops.tonp.release_memory_pool()   # the last batch's idle activations
-                tonp_run(model, prompts[:1], 2)                          # warm-up
+                # Warm-up: a 2-token generate of this batch, both engines. A batch's first call
+                # grows tonp's memory pool to the batch's activations (vLLM allocates its own at
+                # start-up): the first of five fp32 batch-64 rounds after a 1-prompt warm-up ran
+                # 12.7 s, the others 11.1-11.7 s, and the one-bus median counted it.
+                tonp_run(model, prompts, 2)
                 if peer is not None:
-                    peer.run(prompts[:1], 2)
+                    peer.run(prompts, 2)
                 best_t, best_p = None, None
                 pre_t, pre_p = float("inf"), float("inf")  # the prefill alone: a 1-token generate
                 # The read bandwidth just before and just after each timed generate: the bound of

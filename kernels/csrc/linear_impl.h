@@ -404,8 +404,9 @@ inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroup
 // every path of linear_panel. The lane passes hand over their chunk tree's result in place. With
 // the vector pack_lanes, against scalar stores after a copy, in one process (AMD EPYC, Zen 4,
 // two threads, whole linears with weight groups, two runs): 4096 x 2048 x 4096 1.01x, N = 512
-// 1.03x, an expert's 256 x 2048 x 1536 1.01-1.02x, 256 x 768 x 2048 1.01-1.04x. (The tree in registers per output,
-// its chunks' partials a row block apart, ran 0.92-0.98x: its loads fall in one L1 set.)
+// 1.03x, an expert's 256 x 2048 x 1536 1.01-1.02x, 256 x 768 x 2048 1.01-1.04x. (The tree in
+// registers per output, its chunks' partials a row block apart, ran 0.92-0.98x: its loads fall
+// in one L1 set.)
 static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
                        Elem oelem) {
   for (int64_t r = 0; r < rows; ++r)
