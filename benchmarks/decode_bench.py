@@ -302,8 +302,12 @@ def main(argv=None) -> dict:
             peer = Peer(tmp.name, dname, a.prompt_len + a.new + 16, max(batches),
                         eager=a.peer_eager or a.smoke)
             data["vllm_eager"] = a.peer_eager or a.smoke
-        ref_tonp, ref_peer = None, None
         try:
+            # Prompt 0 alone: the batch-1 logprobs every batch's prompt 0 is compared with (run
+            # here, not taken from the first batch measured, which need not be batch 1).
+            one = all_prompts[:1].tolist()
+            ref_tonp = tonp_run(model, one, a.new)["logprobs0"]
+            ref_peer = peer.run(one, a.new)["logprobs0"] if peer is not None else None
             for b in batches:
                 prompts = all_prompts[:b].tolist()
                 torch.ops.tonp.release_memory_pool()   # the last batch's idle activations
@@ -337,9 +341,6 @@ def main(argv=None) -> dict:
                         pairs.append({"tonp_wall_s": t["wall_s"], "tonp_probes": t["probes"],
                                       "vllm_wall_s": p["wall_s"], "vllm_probes": p["probes"]})
                         pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
-                if b == batches[0]:
-                    ref_tonp = best_t["logprobs0"]
-                    ref_peer = best_p["logprobs0"] if best_p else None
                 r = {"dtype": dname, "batch": b, "tonp_step_s": best_t["step_s"],
                      "tonp_step_tok_s": b / best_t["step_s"],
                      "tonp_forward_s": best_t["forward_s"], "tonp_overhead_s":
