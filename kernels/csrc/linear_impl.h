@@ -221,12 +221,15 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
   for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
     constexpr int MR = decltype(mr)::value;
     float* t = xl + r0 * kc * chunks;
-    if (kc % 8 == 0) {
+    if (kc % 8 == 0 && MR >= 4) {
       // Eight k's of the tile's rows at a time: an 8 x 8 transpose puts lane l's step (the rows'
       // x[., k0 + l]) in one vector, stored where the scalar order below puts it (chunk c, lane l,
       // step i at c * MR * kc + MR * (l * kc / 8 + i)). The same floats at the same places; on
       // the AMD EPYC (Zen 4), one thread, 256 rows: K = 768 0.074 -> 0.020 ms, K = 2048 0.19 ->
-      // 0.066 ms (a 256-row block's pack had cost 1.3 panels of its GEMM).
+      // 0.066 ms (a 256-row block's pack had cost 1.3 panels of its GEMM); whole fp32 linears
+      // with weight groups, 2 threads, against the previous build in one process, 1.01-1.04x
+      // (benchmarks/table_ab.py). Tiles of 1-3 rows
+      // copy one float at a time, as before: transposing 8 rows for them ran 1.1-2.5x slower.
       const int64_t steps = kc / 8;
       for (int c = 0; c < chunks; ++c, t += MR * kc)
         for (int64_t i = 0; i < steps; ++i) {
@@ -400,30 +403,13 @@ constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
 inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : rows >= 2 ? kGroupAheadSmall : 0; }
 
 // A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
-// dtype (store1's rounding), eight at a time: one vector add and store where out is fp32, for
-// every path of linear_panel. The lane passes hand over their chunk tree's result in place. With
-// the vector pack_lanes, against scalar stores after a copy, in one process (AMD EPYC, Zen 4,
-// two threads, whole linears with weight groups, two runs): 4096 x 2048 x 4096 1.01x, N = 512
-// 1.03x, an expert's 256 x 2048 x 1536 1.01-1.02x, 256 x 768 x 2048 1.01-1.04x. (The tree in
-// registers per output, its chunks' partials a row block apart, ran 0.92-0.98x: its loads fall
-// in one L1 set.)
+// dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
+// place, no copy). Eight at a time with one vector store measured no faster: whole linears
+// 0.98-1.00x, one row an expert 0.97-0.99x (AMD EPYC, Zen 4, one process).
 static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
                        Elem oelem) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int n0 = 0; n0 < ncols; n0 += 8) {
-      V8 v = vload(res + r * kPanel + n0);
-      const int n = ncols - n0 < 8 ? ncols - n0 : 8;
-      if (n == 8) {
-        if (bias) v = vadd(v, vload(bias + n0));
-        if (oelem == Elem::F32) {
-          vstore(static_cast<float*>(out) + r * ldo + n0, v);
-          continue;
-        }
-      }
-      float t[8];
-      vstore(t, v);
-      for (int j = 0; j < n; ++j) store1(out, r * ldo + n0 + j, bias && n < 8 ? t[j] + bias[n0 + j] : t[j], oelem);
-    }
+    for (int j = 0; j < ncols; ++j) store1(out, r * ldo + j, bias ? res[r * kPanel + j] + bias[j] : res[r * kPanel + j], oelem);
 }
 
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
