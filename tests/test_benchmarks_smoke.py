@@ -256,3 +256,40 @@ def test_peer_moe_says_not_installed_without_vllms_venv(tmp_path, monkeypatch, c
     assert peer_moe.main(["--out", str(tmp_path)]) == {}
     assert "vLLM not installed (make peer-vllm)" in capsys.readouterr().out
     assert not list(tmp_path.glob("peer_moe*"))
+
+
+@pytest.mark.timeout(300)
+def test_table_ab_links_two_builds_and_compares_their_bytes(tmp_path, capsys):
+    """benchmarks/table_ab.py --smoke: HEAD's kernel table, renamed, and the working tree's link
+    into one executable and run the fp32 linear alternately (the bench raises if any output byte
+    differs between the builds); a CPU without the table measures nothing and says so. Writes
+    nothing under --smoke."""
+    import table_ab
+    res = table_ab.main(["--smoke", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+    if not res:
+        assert "runs no" in out
+        return
+    assert [h["rows"] for h in res["hot"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 64, 256]
+    assert all(h["base_GFLOPs"] > 0 and h["new_GFLOPs"] > 0 for h in res["hot"])
+    assert [x["shape"] for x in res["linear"]] == ["64 x 256 x 64"]
+    assert "| 64 x 256 x 64 |" in out
+
+
+def test_table_ab_refuses_a_base_whose_table_layout_may_differ(tmp_path, monkeypatch):
+    """A base ref whose kernels.h differs from the working tree's cannot share the harness's
+    view of the Kernels struct: refused by name before anything is compiled."""
+    import table_ab
+    real = table_ab.subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if cmd[:2] == ["tar", "-x"]:
+            real(cmd, *a, **kw)
+            h = Path(cmd[3]) / "kernels" / "csrc" / "kernels.h"
+            h.write_text(h.read_text() + "\n// another layout\n")
+            return None
+        return real(cmd, *a, **kw)
+    monkeypatch.setattr(table_ab.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="kernels.h differs"):
+        table_ab.build("HEAD", tmp_path)

@@ -1,0 +1,144 @@
+"""A kernel table against the same table at a git ref, in one process: the fp32 linear's
+(`Kernels::linear_panel` on weight groups, `pack_lanes`) speed, build against build.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/table_ab.py                  # ~3 min, base HEAD
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/table_ab.py --base HEAD~3 --table avx2
+    .venv/bin/python benchmarks/table_ab.py --smoke                            # compiles, tiny shapes
+
+For tuning a kernel where this VM's state moves whole runs by more than the change: the base
+build is `kernels/csrc` of `--base` (git archive), compiled with its table's names renamed and
+linked beside the working tree's (benchmarks/table_ab_bench.cpp), so both run in one process,
+alternated, on the same data; every output is compared byte for byte between the two builds.
+Three measurements:
+  * hot: one thread, four 16-column panels (in L2), per row count 1-256, K = 2048 and 768;
+  * linear: whole fp32 linears with weight groups on OMP_NUM_THREADS threads (the attention
+    projections' and an expert's prefill shapes), tasks split as tk.linear splits them;
+  * experts: the experts' two decode stages over 128 cold experts (30B-A3B shapes), rows an
+    expert drawn from Poisson(1, 4, 8), a read probe around each sample; ratios per bus state
+    (fast: both probes at 45 GB/s or more).
+Refuses a base whose kernels/csrc/kernels.h differs from the working tree's (the table layouts
+could differ). Writes benchmarks/results/table_ab.{md,json} (`table_ab_<machine>` for another
+machine's run); --smoke writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
+from benchlib import _CXX_FLAGS, RESULTS_DIR, machine_meta, md_table, write_record  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = 45.0  # GB/s
+# The base build's names: its tables, namespaces and CPU check, renamed so both builds link.
+RENAMES = ["-Dtonp_avx512bf16=tonp_base_avx512bf16_ns", "-Dkernels_avx512bf16=kernels_base_avx512bf16",
+           "-Dtonp_avx2=tonp_base_avx2_ns", "-Dkernels_avx2=kernels_base_avx2",
+           "-Dcpu_has_avx2_fma=cpu_has_avx2_fma_base"]
+LINEAR = [(4096, 2048, 4096), (4096, 2048, 512), (256, 2048, 1536), (256, 768, 2048)]
+
+
+def build(base: str, out: Path) -> Path:
+    """The executable: the base ref's AVX tables (renamed), the working tree's tables, the bench."""
+    src = out / "base"
+    src.mkdir()
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", base, "kernels/csrc"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=tar.stdout, check=True)
+    here = REPO / "kernels" / "csrc"
+    if (src / "kernels" / "csrc" / "kernels.h").read_bytes() != (here / "kernels.h").read_bytes():
+        raise SystemExit(f"table_ab: kernels/csrc/kernels.h differs between {base} and the working tree; "
+                         "the two tables' layouts may differ, so they cannot share one harness")
+    units = [(src / "kernels" / "csrc" / f"isa_{n}.cpp", RENAMES, f"base_{n}.o") for n in ("avx512bf16", "avx2")]
+    units += [(here / f"isa_{n}.cpp", [], f"{n}.o") for n in ("avx512bf16", "avx2", "portable")]
+    units += [(REPO / "benchmarks" / "table_ab_bench.cpp", [], "bench.o")]
+    procs = [subprocess.Popen(["g++", *_CXX_FLAGS, *flags, "-c", str(s), "-o", str(out / o)]) for s, flags, o in units]
+    if any(p.wait() for p in procs):
+        raise RuntimeError("table_ab: compilation failed")
+    exe = out / "table_ab_bench"
+    subprocess.run(["g++", "-fopenmp", *[str(out / o) for _, _, o in units], "-o", str(exe)], check=True)
+    return exe
+
+
+def run(exe: Path, args: list, threads: int) -> list:
+    """The bench's '|' lines (fields as strings), or None where the CPU has no such table."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    lines = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env,
+                           check=True).stdout.splitlines()
+    if lines and lines[0].startswith("unsupported|"):
+        print(f"table_ab: {lines[0].split('|', 1)[1]}; nothing measured")
+        return None
+    if not lines or lines[-1] != "done":
+        raise RuntimeError(f"table_ab_bench {args}: no 'done' line")
+    rows = [ln.split("|") for ln in lines[:-1]]
+    if any(r[-1] != "1" for r in rows):
+        raise RuntimeError(f"table_ab_bench {args}: the two builds' outputs differ")
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the git ref whose kernels/csrc is the base build")
+    ap.add_argument("--table", choices=("avx512bf16", "avx2"), default=None,
+                    help="default: avx512bf16 where this CPU runs it, else avx2")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round; writes nothing")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    a = ap.parse_args(argv)
+    import tonp_kernels as tk
+    table = a.table or ("avx512bf16" if tk.isa() == "avx512bf16" else "avx2")
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    meta = machine_meta()
+    res = {"hot": [], "linear": [], "experts": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(a.base, Path(tmp))
+        for K in ((256,) if a.smoke else (2048, 768)):
+            got = run(exe, ["hot", table, K, 1 if a.smoke else a.rounds], 1)
+            if got is None:
+                return {}
+            res["hot"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]), "new_GFLOPs": float(r[4]),
+                            "ratio": float(r[5])} for r in got]
+        for M, K, N in ([(64, 256, 64)] if a.smoke else LINEAR):
+            r = run(exe, ["linear", table, M, K, N, 1 if a.smoke else a.rounds], threads)[0]
+            res["linear"].append({"shape": f"{M} x {K} x {N}", "base_GFLOPs": float(r[4]), "new_GFLOPs": float(r[5]),
+                                  "ratio": float(r[6])})
+        for mean in (() if a.smoke else (1, 4, 8)):
+            for r in run(exe, ["experts", table, mean, 2 * a.rounds], threads):
+                res["experts"].append({"mean_rows": mean, "base_ms": float(r[2]), "new_ms": float(r[3]),
+                                       "probes": [float(r[4]), float(r[5])]})
+    hot = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
+           for h in res["hot"]]
+    lin = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"] for x in res["linear"]]
+    exp = []
+    for mean in sorted({e["mean_rows"] for e in res["experts"]}):
+        for state, keep in (("fast", lambda p: min(p) >= FAST), ("slow", lambda p: max(p) < FAST)):
+            got = [e for e in res["experts"] if e["mean_rows"] == mean and keep(e["probes"])]
+            if got:
+                exp.append([mean, state, len(got), f"{statistics.median(e['base_ms'] for e in got):.1f}",
+                            f"{statistics.median(e['new_ms'] for e in got):.1f}",
+                            f"{statistics.median(e['base_ms'] / e['new_ms'] for e in got):.3f}x"])
+    md = [f"# The {table} table against itself at {a.base} ({meta['date']})", "",
+          f"{meta['cpu']}; {threads} threads (hot: one); `benchmarks/table_ab.py`: both builds in one process, "
+          "alternated, every output equal byte for byte between them. new / base: the median of the "
+          "samples' speed ratios (> 1: the working tree is faster).", "",
+          "Hot: four panels in L2, per row count, GFLOP/s (best sample).", "",
+          md_table(["rows", "K", "base", "new", "new / base"], hot), "",
+          "Whole fp32 linears with weight groups, GFLOP/s (best sample).", "",
+          md_table(["M x K x N", "base", "new", "new / base"], lin), ""]
+    if exp:
+        md += ["The experts' two decode stages, 128 cold experts, rows an expert ~ Poisson(mean); ms, "
+               f"medians per bus state (fast: both probes >= {FAST:.0f} GB/s).", "",
+               md_table(["mean rows", "bus", "samples", "base ms", "new ms", "new / base"], exp), ""]
+    text = "\n".join(md)
+    print(text)
+    if not a.smoke:
+        write_record(a.out, "table_ab", text, {"meta": meta, "base": a.base, "table": table, "threads": threads,
+                                               "results": res})
+    return res
+
+
+if __name__ == "__main__":
+    main()

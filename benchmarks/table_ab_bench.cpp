@@ -1,0 +1,224 @@
+// Two builds of one kernel table in one process: "base" (kernels/csrc of a git ref, compiled
+// with its names renamed: benchmarks/table_ab.py) and "new" (the working tree), the fp32 linear
+// (Kernels::linear_panel with weight groups, pack_lanes) timed alternately, every output compared
+// byte for byte between the builds. benchmarks/table_ab.py builds and runs it.
+//   hot <table> <K> [rounds]          one thread, 4 panels (512 KB at K = 2048, in L2), per row count
+//   linear <table> <M> <K> <N> [rounds]   a whole linear, tasks (256-row block, panel) split as
+//                                     tk.linear splits them, each thread packing its blocks
+//   experts <table> <mean rows> [rounds]  the fp32 experts' two stages (gate_up K 2048 N 1536,
+//                                     down K 768 N 2048) over 128 cold experts, rows an expert
+//                                     drawn from Poisson(mean), a read probe around each sample
+// <table>: avx512bf16 or avx2. Output lines "hot|R|K|base_GFLOPs|new_GFLOPs|median_ratio|same",
+// "linear|M|K|N|base|new|median_ratio|same", "experts|mean|base_ms|new_ms|probe0|probe1|same"
+// (one per sample), then "done"; "unsupported|why" where this CPU has no such table.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../kernels/csrc/kernels.h"
+
+namespace tonp {
+const Kernels* kernels_base_avx512bf16();  // the base build's tables (table_ab.py's renames)
+const Kernels* kernels_base_avx2();
+}  // namespace tonp
+
+namespace {
+using tonp::Elem;
+using tonp::kPanel;
+using Clock = std::chrono::steady_clock;
+constexpr int kChunks = 8;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// W [N, K] copied into fp32 column groups (kernels.h: per panel and chunk, lane_pair_pos order).
+std::vector<float> groups_of(const std::vector<float>& w, int64_t N, int64_t K) {
+  const int64_t kc = K / kChunks;
+  std::vector<float> g(w.size());
+  for (int64_t p = 0; p < N / kPanel; ++p)
+    for (int c = 0; c < kChunks; ++c)
+      for (int64_t k = 0; k < kc; ++k)
+        for (int j = 0; j < kPanel; ++j)
+          g[p * kPanel * K + c * kc * kPanel + tonp::lane_pair_pos(kc, k) * kPanel + j] = w[(p * kPanel + j) * K + c * kc + k];
+  return g;
+}
+
+std::vector<float> filled(int64_t n, uint64_t mul) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = float((uint64_t(i) * mul >> 7) % 2001) / 1000.f - 1.f;
+  return v;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// rows [0, rows) of x times panels [p0, p1) of a grouped W, with table k; xl: x lane-packed.
+void panels(const tonp::Kernels* k, const float* x, int64_t rows, int64_t K, const float* w, const float* g, int64_t N,
+            int64_t p0, int64_t p1, float* out, std::vector<float>& scratch, const float* xl) {
+  const int64_t kc = K / kChunks;
+  for (int64_t p = p0; p < p1; ++p)
+    k->linear_panel(x, K, rows, w + p * kPanel * K, K, Elem::F32, kc, kChunks, nullptr, kPanel, out + p * kPanel, N,
+                    Elem::F32, scratch.data(), xl, g + p * kPanel * K);
+}
+
+int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
+  const int64_t N = 4 * kPanel, kc = K / kChunks;
+  const std::vector<float> w = filled(N * K, 2654435761ull), g = groups_of(w, N, K);
+  for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 64, 256}) {
+    const std::vector<float> x = filled(R * K, 40503ull);
+    std::vector<float> out[2] = {std::vector<float>(R * N), std::vector<float>(R * N)}, xl(R * K + 64);
+    std::vector<float> scratch(tonp::linear_scratch(kChunks, K, R, Elem::F32, 32, true) + 64);
+    t[0]->pack_lanes(x.data(), K, R, kc, kChunks, xl.data());
+    std::vector<double> s[2];
+    const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
+    for (int it = 0; it < rounds; ++it)
+      for (int v = 0; v < 2; ++v) {
+        const auto t0 = Clock::now();
+        for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl.data());
+        s[v].push_back(seconds_since(t0) / reps);
+      }
+    std::vector<double> ratio;
+    for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
+    const double flop = 2.0 * R * K * N;
+    std::printf("hot|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(R), long(K), flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9,
+                flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9, median(ratio), int(out[0] == out[1]));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int linear(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N, int rounds) {
+  const int64_t kc = K / kChunks, np = N / kPanel, rb = 256, nb = (M + rb - 1) / rb;
+  const std::vector<float> w = filled(N * K, 2654435761ull), g = groups_of(w, N, K), x = filled(M * K, 40503ull);
+  std::vector<float> out[2] = {std::vector<float>(M * N), std::vector<float>(M * N)};
+  std::vector<double> s[2];
+  for (int it = 0; it < rounds; ++it)
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+#pragma omp parallel
+      {
+        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+        std::vector<float> scratch(tonp::linear_scratch(kChunks, K, rb, Elem::F32, 32, true) + 64), xl(rb * K + 64);
+        int64_t packed = -1;
+        for (int64_t task = b; task < e; ++task) {
+          const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
+          if (packed != blk) t[v]->pack_lanes(x.data() + r0 * K, K, rows, kc, kChunks, xl.data()), packed = blk;
+          panels(t[v], x.data() + r0 * K, rows, K, w.data(), g.data(), N, p, p + 1, out[v].data() + r0 * N, scratch, xl.data());
+        }
+      }
+      s[v].push_back(seconds_since(t0));
+    }
+  std::vector<double> ratio;
+  for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
+  const double flop = 2.0 * M * K * N;
+  std::printf("linear|%ld|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(M), long(K), long(N),
+              flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9, flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9,
+              median(ratio), int(out[0] == out[1]));
+  return 0;
+}
+
+// Read bandwidth (GB/s) of every thread reading its share of 256 MiB, best of 2.
+double probe() {
+  static std::vector<float> buf(int64_t(64) << 20, 1.f);
+  double best = 0;
+  for (int rep = 0; rep < 2; ++rep) {
+    const auto t0 = Clock::now();
+    double tot = 0;
+#pragma omp parallel for reduction(+ : tot)
+    for (int64_t i = 0; i < int64_t(buf.size()); i += 16) tot += buf[i] + buf[i + 4] + buf[i + 8] + buf[i + 12];
+    best = std::max(best, buf.size() * 4.0 / seconds_since(t0) / 1e9 + 0.0 * tot);
+  }
+  return best;
+}
+
+int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
+  const int E = 128;
+  std::mt19937 rng(1);
+  std::poisson_distribution<int> draw(mean);
+  std::vector<int> rows(E), used;
+  std::vector<int64_t> r0(E + 1, 0);
+  int64_t maxr = 1;
+  for (int e = 0; e < E; ++e) {
+    rows[e] = draw(rng), r0[e + 1] = r0[e] + rows[e], maxr = std::max<int64_t>(maxr, rows[e]);
+    if (rows[e]) used.push_back(e);
+  }
+  struct Stage { int64_t K, N; std::vector<float> w, g; };
+  Stage st[2] = {{2048, 1536, {}, {}}, {768, 2048, {}, {}}};
+  for (Stage& s : st) s.w = filled(E * s.N * s.K, 2654435761ull), s.g = groups_of(s.w, E * s.N, s.K);
+  const std::vector<float> x = filled(r0[E] * 2048, 40503ull);
+  std::vector<float> out[2][2];
+  for (int v = 0; v < 2; ++v)
+    for (int s = 0; s < 2; ++s) out[v][s].assign(r0[E] * st[s].N, 0.f);
+  std::vector<std::pair<double, double>> ms(rounds);
+  for (int it = 0; it < rounds; ++it) {
+    const double p0 = probe();
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+      for (int s = 0; s < 2; ++s) {
+        const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / kPanel, ntask = int64_t(used.size()) * np;
+#pragma omp parallel
+        {  // (expert, panel) tasks split in contiguous halves, as moe_experts' parallel_for splits them
+          const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+          const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+          std::vector<float> scratch(tonp::linear_scratch(kChunks, K, maxr, Elem::F32, 32, true) + 64), xl(maxr * K + 64);
+          int packed = -1;
+          for (int64_t task = b; task < e; ++task) {
+            const int ex = used[task / np];
+            const int64_t p = task % np;
+            const float* xe = x.data() + r0[ex] * K;
+            if (packed != ex) t[v]->pack_lanes(xe, K, rows[ex], kc, kChunks, xl.data()), packed = ex;
+            panels(t[v], xe, rows[ex], K, st[s].w.data() + ex * N * K, st[s].g.data() + ex * N * K, N, p, p + 1,
+                   out[v][s].data() + r0[ex] * N, scratch, xl.data());
+          }
+        }
+      }
+      (v == 0 ? ms[it].first : ms[it].second) = 1e3 * seconds_since(t0);
+    }
+    const double p1 = probe();
+    const bool same = out[0][0] == out[1][0] && out[0][1] == out[1][1];
+    std::printf("experts|%.1f|%.3f|%.3f|%.1f|%.1f|%d\n", mean, ms[it].first, ms[it].second, p0, p1, int(same));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s hot|linear|experts <table> args...\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1], table = argv[2];
+  const tonp::Kernels* t[2] = {nullptr, nullptr};
+  if (table == "avx512bf16") {
+    t[0] = tonp::kernels_base_avx512bf16(), t[1] = tonp::kernels_avx512bf16();
+  } else if (table == "avx2") {
+    if (tonp::cpu_has_avx2_fma()) t[0] = tonp::kernels_base_avx2(), t[1] = tonp::kernels_avx2();
+  } else {
+    std::fprintf(stderr, "unknown table %s\n", table.c_str());
+    return 2;
+  }
+  if (!t[0] || !t[1]) {
+    std::printf("unsupported|this CPU runs no %s table\n", table.c_str());
+    return 0;
+  }
+  const int last = argc - 1;
+  int rc = 2;
+  if (mode == "hot") rc = hot(t, std::atol(argv[3]), argc > 4 ? std::atoi(argv[last]) : 9);
+  if (mode == "linear" && argc >= 6)
+    rc = linear(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
+  if (mode == "experts") rc = experts(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
+  std::printf("done\n");
+  return rc;
+}
