@@ -59,8 +59,10 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // (linear_lane_passes), which then transpose no weight chunk; fewer rows stream the weight
   // in place through the dot tiles, as fast or faster as one long stream. Measured on the AMD
   // EPYC (Zen 4), 2 threads, cold weights, alternated: 64 rows 1.17-1.24x (N = 4096 and 16384,
-  // K = 2048: 194-199 GFLOP/s), 128 rows 1.11x, 256 1.08x, 2048 1.05x; 1-4 rows 0.83-1.04x with
-  // the groups read through lane passes. fp32 x on bf16 weights reads none. The same bits.
+  // K = 2048: 194-199 GFLOP/s), 128 rows 1.11x, 256 1.08x, 2048 1.05x. Fewer rows through lane
+  // passes on the groups, against the dot tiles in place (N = 4096 and 16384, after the lane
+  // tiles kept their registers): 2-16 rows 0.88-1.08x, 20-31 rows 1.04-1.16x. fp32 x on bf16
+  // weights reads none. The same bits.
   const at::Tensor wc = w.contiguous();
   const Kernels* kern = K();
   const void* wg = weight_groups_of(weight_groups, w, chunks, "linear", "weight");
