@@ -227,9 +227,9 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
       // step i at c * MR * kc + MR * (l * kc / 8 + i)). The same floats at the same places; on
       // the AMD EPYC (Zen 4), one thread, 256 rows: K = 768 0.074 -> 0.020 ms, K = 2048 0.19 ->
       // 0.066 ms (a 256-row block's pack had cost 1.3 panels of its GEMM); whole fp32 linears
-      // with weight groups, 2 threads, against the previous build in one process, 1.01-1.04x
-      // (benchmarks/table_ab.py). Tiles of 1-3 rows
-      // copy one float at a time, as before: transposing 8 rows for them ran 1.1-2.5x slower.
+      // with weight groups, 2 threads, against the previous build in one process, 1.00-1.03x
+      // (benchmarks/table_ab.py). Tiles of 1-3 rows copy one float at a time, as before:
+      // transposing 8 rows for them ran 1.1-2.5x slower.
       const int64_t steps = kc / 8;
       for (int c = 0; c < chunks; ++c, t += MR * kc)
         for (int64_t i = 0; i < steps; ++i) {
@@ -409,7 +409,11 @@ inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroup
 static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
                        Elem oelem) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int j = 0; j < ncols; ++j) store1(out, r * ldo + j, bias ? res[r * kPanel + j] + bias[j] : res[r * kPanel + j], oelem);
+    for (int j = 0; j < ncols; ++j) {
+      float v = res[r * kPanel + j];
+      if (bias) v = v + bias[j];
+      store1(out, r * ldo + j, v, oelem);
+    }
 }
 
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
