@@ -73,7 +73,7 @@ PEER_KV_GB = "1"   # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): batch 128 needs ~
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--batches", default=None, help="default 1,16,64,128 (--smoke: 1,4)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
@@ -271,9 +271,10 @@ def routing_spread(model, prompts: List[List[int]]) -> Optional[float]:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    batches = [1, 16] if a.quick else [int(b) for b in a.batches.split(",")]
+    batches = [1, 16] if a.quick else [int(b) for b in (a.batches or "1,16,64,128").split(",")]
     if a.smoke:
-        batches, a.new, a.prompt_len, a.rounds = [1, 4], 4, 8, 1
+        batches = [int(b) for b in a.batches.split(",")] if a.batches else [1, 4]
+        a.new, a.prompt_len, a.rounds = 4, 8, 1
     rounds = 1 if a.quick else a.rounds
     cfg = make_config(a)
     meta = machine_meta()

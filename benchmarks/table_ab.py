@@ -46,7 +46,9 @@ def build(base: str, out: Path) -> Path:
     """The executable: the base ref's AVX tables (renamed), the working tree's tables, the bench."""
     src = out / "base"
     src.mkdir()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", base, "kernels/csrc"], capture_output=True, check=True)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", base, "kernels/csrc"], capture_output=True)
+    if tar.returncode != 0:
+        raise SystemExit(f"table_ab: --base {base!r} gives no kernels/csrc: {tar.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(src)], input=tar.stdout, check=True)
     here = REPO / "kernels" / "csrc"
     if (src / "kernels" / "csrc" / "kernels.h").read_bytes() != (here / "kernels.h").read_bytes():
@@ -88,6 +90,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round; writes nothing")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
     import tonp_kernels as tk
     table = a.table or ("avx512bf16" if tk.isa() == "avx512bf16" else "avx2")
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))

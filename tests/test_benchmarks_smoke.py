@@ -133,6 +133,22 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
     assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md
 
 
+def test_decode_bench_takes_its_batch_1_reference_from_a_batch_1_run(tmp_path, monkeypatch):
+    """Without batch 1 in --batches, prompt 0's reference is still a batch-1 generate (it was the
+    first batch measured, so batch 4 was compared with itself); the bits are compared against it."""
+    import decode_bench
+    calls, real = [], decode_bench.tonp_run
+
+    def spy(model, prompts, new, *a, **kw):
+        calls.append((len(prompts), new))
+        return real(model, prompts, new, *a, **kw)
+    monkeypatch.setattr(decode_bench, "tonp_run", spy)
+    data = decode_bench.main(["--smoke", "--dtypes", "fp32", "--batches", "4", "--out", str(tmp_path)])
+    assert [r["batch"] for r in data["results"]] == [4]
+    assert calls[0] == (1, 4)                      # prompt 0 alone, the full 4 new tokens, first
+    assert data["results"][0]["tonp_batch_invariant"] is True
+
+
 @pytest.mark.timeout(120)
 def test_weight_groups_bench_smoke_alternates_both_variants_with_the_same_bits(tmp_path):
     """benchmarks/weight_groups_bench.py --smoke: every round runs the engine with and without
@@ -264,7 +280,14 @@ def test_table_ab_links_two_builds_and_compares_their_bytes(tmp_path, capsys):
     into one executable and run the fp32 linear alternately (the bench raises if any output byte
     differs between the builds); a CPU without the table measures nothing and says so. Writes
     nothing under --smoke."""
+    import subprocess
     import table_ab
+    edited = subprocess.run(["git", "-C", str(table_ab.REPO), "diff", "--quiet", "HEAD", "--",
+                             "kernels/csrc/kernels.h"]).returncode != 0
+    if edited:  # a working tree whose kernels.h differs from HEAD's: the refusal is the answer
+        with pytest.raises(SystemExit, match="kernels.h differs"):
+            table_ab.main(["--smoke", "--out", str(tmp_path)])
+        return
     res = table_ab.main(["--smoke", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert not list(tmp_path.iterdir())
@@ -293,3 +316,12 @@ def test_table_ab_refuses_a_base_whose_table_layout_may_differ(tmp_path, monkeyp
     monkeypatch.setattr(table_ab.subprocess, "run", fake_run)
     with pytest.raises(SystemExit, match="kernels.h differs"):
         table_ab.build("HEAD", tmp_path)
+
+
+def test_table_ab_names_a_bad_ref_and_bad_rounds(tmp_path):
+    """A --base that is no git ref, and --rounds below 1, are refused by name."""
+    import table_ab
+    with pytest.raises(SystemExit, match="--base 'no-such-ref' gives no kernels/csrc"):
+        table_ab.build("no-such-ref", tmp_path)
+    with pytest.raises(SystemExit):
+        table_ab.main(["--rounds", "0"])
