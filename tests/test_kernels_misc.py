@@ -364,9 +364,25 @@ def _every_op(dtype, gen):
             *tk.lse_partial(x, chunks=8), *tk.max_with_index(x), tk.argmax(x),
             tk.token_logprobs(x, ids, temperature=0.7), tk.log_softmax(x, temperature=1.3),
             tk.sample(x, temperature=0.8, seed=5, request_ids=ids, positions=ids, top_p=0.9),
+            *_vocab_tails(x, ids),
             *tk.moe_route(x[:, :64], 8, True),
             tk.moe_combine(torch.softmax(x[:, :8].float(), -1), x[:, :8 * 24].reshape(37, 8, 24)),
             tk.moe_experts(x[:, :64], experts, gate_up, down)]
+
+
+def _vocab_tails(x, ids):
+    """The vocabulary row passes on a width that is no multiple of eight, with masked entries,
+    a tie at the top and a row whose maximum is a zero: sampling unfiltered, at T != 1, with
+    top-k and a deep top-p cut; argmax; lse_partial's maxima."""
+    y = x[:, :251].float().contiguous()
+    y[:, 7::5] = float("-inf")
+    y[1, 3] = y[1, 9] = y[1].max() + 1
+    y[2] = -y[2].abs() - 1
+    y[2, 40], y[2, 200] = -0.0, 0.0
+    draw = lambda **kw: tk.sample(y, seed=2 ** 63 + 7, request_ids=ids, positions=ids + 3, **kw)  # noqa: E731
+    return [draw(temperature=1.0), draw(temperature=0.3), draw(temperature=1.0, top_k=4),
+            draw(temperature=1.7, top_p=0.4), tk.argmax(y), *tk.max_with_index(y),
+            *tk.lse_partial(y, chunks=1)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -134,6 +134,49 @@ def test_argmax_ties_go_to_the_lowest_index_and_shards_combine(dtype, gen):
         assert_bitwise(combined, got, f"argmax over {P} shards (max value, lowest index)")
 
 
+def _scalar_max(row: list) -> tuple:
+    """A strict > scan from -inf (NaN skipped): the maximum (as the scan met it) and the first
+    index whose value equals it (0 when none does)."""
+    mx = float("-inf")
+    for v in row:
+        mx = v if v > mx else mx
+    return mx, next((i for i, v in enumerate(row) if v == mx), 0)
+
+
+@pytest.mark.parametrize("V", (1, 7, 8, 9, 67, 1000))
+def test_row_maxima_follow_a_scalar_scan_zeros_nan_and_tails(V, gen):
+    """argmax, max_with_index and lse_partial take a row's maximum eight lanes at a time: the
+    index a strict > scan keeps (zeros of either sign, the first one), the value the row holds
+    there (NaN skipped; an all-NaN row: index 0), lse_partial's max with a zero as +0; rows of -0
+    / +0 in both orders, NaN among finite values, all -inf, the maximum in the tail beyond the
+    last eight, all equal."""
+    x = torch.randn(9, V, generator=gen)
+    x[0] = -x[0].abs() - 1
+    x[0, V // 2] = -0.0
+    x[0, -1] = 0.0                                   # -0 first
+    x[1] = -x[1].abs() - 1
+    x[1, 0], x[1, -1] = 0.0, -0.0                    # +0 first
+    x[2] = -0.0
+    x[2, ::3] = 0.0                                  # zeros of both signs, +0 first
+    x[3] = float("-inf")
+    x[4, ::2] = float("nan")                         # NaN among finite values
+    x[5, -1] = x[5].max() + 1                        # the maximum in the tail
+    x[6] = float("nan")
+    x[7, :] = 3.0                                    # all equal: index 0
+    for r in range(9):
+        mx, i = _scalar_max(x[r].tolist())
+        value, index = tk.max_with_index(x[r:r + 1])
+        assert int(index) == i, f"row {r}: index {int(index)}, want {i}"
+        assert torch.equal(value.view(torch.int32), x[r, i:i + 1].view(torch.int32)), \
+            f"row {r}: max_with_index's value is not the bits of row[{i}]"   # (NaN included)
+        m, _ = tk.lse_partial(x[r:r + 1], chunks=1)
+        assert_bitwise(m.reshape(1), torch.tensor([mx + 0.0]), f"row {r} lse_partial max")
+        if r not in (4, 6):                          # argmax refuses NaN rows
+            assert int(tk.argmax(x[r:r + 1])) == i, f"row {r} argmax"
+    with pytest.raises(ValueError, match="holds a NaN"):
+        tk.argmax(x[4:5])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_accuracy_against_the_reference(dtype, gen):
     x, t = _logits(23, dtype, gen), _targets(23, gen)

@@ -41,14 +41,18 @@ def hard_logits(M, V, gen, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("V,dtype", ((64, torch.float32), (600, torch.float32),
-                                     (64, torch.bfloat16)))
+                                     (64, torch.bfloat16), (603, torch.float32)))
 def test_triton_draws_the_cpp_tokens(V, dtype, gen):
     """Every setting, rows that cross the vocabulary block (600 > 512) and the row tile (9 > 4),
-    64-bit seeds, bf16 logits."""
+    64-bit seeds, bf16 logits; a vocabulary that is no multiple of the C++ kernels' eight lanes
+    (603), with top-p cuts at several depths (the C++ cut sorts only the rank-key bucket the
+    prefix ends in)."""
     x = hard_logits(9, V, gen, dtype)
     req = torch.randint(0, 2 ** 62, (9,), generator=gen)
     pos = torch.randint(0, 5000, (9,), generator=gen)
-    for i, (T, k, p) in enumerate(SETTINGS if V == 64 else SETTINGS[1:6:2]):
+    settings = {64: SETTINGS, 600: SETTINGS[1:6:2],
+                603: ((1.0, 0, 1.0), (0.7, 0, 0.3), (1.3, 0, 0.99), (1.0, 70, 0.95))}[V]
+    for i, (T, k, p) in enumerate(settings):
         seed = (5, -1, -2 ** 63, 123456789, 2 ** 62, -7, 0, 99)[i]  # the int64 of 64-bit seeds
         assert_bitwise(sample.sample(x, T, k, p, seed, req, pos), cpp(x, T, k, p, seed, req, pos),
                        f"V={V} {dtype} T={T} top_k={k} top_p={p}")

@@ -13,4 +13,5 @@ static const tonp::Kernels kTable = {
 #else
     tonp::kRowBlock, nullptr, 0, false,  // no groups
 #endif
+    row_max_f, gumbel_argmax,
 };

@@ -240,6 +240,15 @@ struct Kernels {
   // the instruction).
   int group_rows_f32;
   bool weight_groups_bf16;
+  // The vocabulary ops' row passes (vocab_ops.cpp). row_max: the largest x[i] / T of a row of V
+  // (T = 1: x[i]), NaN skipped, a zero maximum as +0 (-inf: no value but NaN or -inf); y (null:
+  // none) receives the x[i] / T, *nan (null: none) whether one was NaN. gumbel_argmax: sample's
+  // Gumbel-max draw over n tokens, ids[0..n) ascending (null: the tokens 0..n-1), of logits y
+  // (indexed by token) whose logit is not -inf (at least one finite): the lowest token of the
+  // largest y[t] - log(E_t), E_t the exponential variate of splitmix64(key ^ t) (CONTRACT.md
+  // "sample"); score: n floats of scratch.
+  float (*row_max)(const void* x, int64_t V, Elem e, float temperature, float* y, bool* nan);
+  int64_t (*gumbel_argmax)(const float* y, const int64_t* ids, int64_t n, uint64_t key, float* score);
 };
 
 // Whether table k reads weight groups of a weight of dtype w (pack_weight_groups makes none where

@@ -137,15 +137,15 @@ at::Tensor token_logprobs(const at::Tensor& x_, const at::Tensor& t_, double tem
 }
 
 // The lowest index of the row's maximum, NaN skipped (an all-NaN row: index 0); kRowNan when
-// the row holds a NaN (argmax and sample refuse it, max_with_index skips it).
-inline RowIssue row_argmax(const float* row, int64_t V, int64_t* index) {
+// the row holds a NaN (argmax and sample refuse it, max_with_index skips it). The maximum by the
+// table's row_max (eight lanes), then the first index that compares equal to it: the index a
+// strict > scan keeps, zeros of either sign included (an all-NaN row: none, so 0).
+inline RowIssue row_argmax(const float* row, int64_t V, int64_t* index, const Kernels* kern) {
+  bool nan = false;
+  const float mx = kern->row_max(row, V, Elem::F32, 1.0f, nullptr, &nan);
   int64_t best = 0;
-  bool nan = std::isnan(row[0]);
-  for (int64_t i = 1; i < V; ++i) {
-    if (row[i] > row[best] || (std::isnan(row[best]) && !std::isnan(row[i]))) best = i;  // strict: lowest index wins
-    nan = nan || std::isnan(row[i]);
-  }
-  *index = best;
+  while (best < V && !(row[best] == mx)) ++best;
+  *index = best < V ? best : 0;
   return nan ? kRowNan : kRowOk;
 }
 
@@ -157,11 +157,12 @@ std::tuple<at::Tensor, at::Tensor> max_rows(const at::Tensor& x_, const char* op
   const int64_t M = x.size(0), V = x.size(1);
   at::Tensor val = want_values ? at::empty({M}, x.options()) : at::Tensor(), idx = at::empty({M}, x.options().dtype(at::kLong));
   std::vector<int8_t> issues(M, kRowOk);
+  const Kernels* kern = K();
   at::parallel_for(0, M, grain_for(V), [&](int64_t b, int64_t en) {
     for (int64_t r = b; r < en; ++r) {
       const float* row = x.data_ptr<float>() + r * V;
       int64_t best;
-      issues[r] = row_argmax(row, V, &best);
+      issues[r] = row_argmax(row, V, &best, kern);
       if (want_values) val.data_ptr<float>()[r] = row[best];
       idx.data_ptr<int64_t>()[r] = best;
     }
@@ -200,58 +201,53 @@ inline int64_t top_p_mass(float y, float ymax, const Kernels* kern) {
 // The kept set of top-k / top-p as a rank cut: token i is kept iff rank_key(y_i, i) >= the cut.
 // top-k: the k highest ranks. top-p: of those, the shortest prefix in rank order whose integer
 // mass reaches ceil(p24 * Q / 2^24), Q the mass of the top-k set, p24 = ceil(top_p * 2^24).
-// Integer sums are associative: any device and any order find the same cut.
+// Integer sums are associative: any device and any order find the same cut. The prefix is found
+// without sorting the vocabulary: the masses are summed per bucket of the rank key's top 16 bits
+// (every key of a bucket ranks above every key of the buckets below it), the buckets walked from
+// the top to the one where the prefix reaches the need, and only that bucket's tokens sorted.
+struct CutScratch {
+  std::vector<uint64_t> key, sel;
+  std::vector<int64_t> mass, bucket;
+  std::vector<std::pair<uint64_t, int64_t>> ranked;
+};
+constexpr int kCutShift = 48;  // a bucket: the rank key's top 64 - 48 = 16 bits
+
 uint64_t kept_cut(const float* y, int64_t V, float ymax, int64_t top_k, double top_p, const Kernels* kern,
-                  std::vector<uint64_t>& key, std::vector<std::pair<uint64_t, int64_t>>& ranked) {
+                  CutScratch& t) {
+  t.key.resize(V);
+  uint64_t* key = t.key.data();
   for (int64_t i = 0; i < V; ++i) key[i] = rank_key(y[i], i);
   uint64_t cut = 0;
   if (top_k > 0 && top_k < V) {
-    ranked.clear();
-    for (int64_t i = 0; i < V; ++i) ranked.emplace_back(key[i], 0);
-    std::nth_element(ranked.begin(), ranked.begin() + (top_k - 1), ranked.end(), std::greater<>());
-    cut = ranked[top_k - 1].first;
+    t.sel.assign(key, key + V);
+    std::nth_element(t.sel.begin(), t.sel.begin() + (top_k - 1), t.sel.end(), std::greater<>());
+    cut = t.sel[top_k - 1];
   }
   if (top_p < 1.0) {
-    ranked.clear();  // the top-k set's tokens of positive mass (zero-mass ones rank after them)
-    int64_t Q = 0;
+    t.mass.resize(V);
+    t.bucket.assign(size_t(1) << (64 - kCutShift), 0);
+    int64_t Q = 0;  // the top-k set's mass (zero-mass tokens rank after every positive one)
     for (int64_t i = 0; i < V; ++i) {
       const int64_t q = key[i] >= cut ? top_p_mass(y[i], ymax, kern) : 0;
-      if (q > 0) ranked.emplace_back(key[i], q);
+      t.mass[i] = q;
+      t.bucket[key[i] >> kCutShift] += q;
       Q += q;
     }
-    std::sort(ranked.begin(), ranked.end(), std::greater<>());
     const int64_t p24 = int64_t(std::ceil(top_p * 16777216.0));
-    const int64_t need = p24 * (Q >> 24) + ((p24 * (Q & 0xffffff) + 0xffffff) >> 24);
-    int64_t S = 0;
-    for (const auto& [k, q] : ranked)
+    const int64_t need = p24 * (Q >> 24) + ((p24 * (Q & 0xffffff) + 0xffffff) >> 24);  // in [1, Q]
+    int64_t S = 0, B = int64_t(t.bucket.size()) - 1;
+    while (S + t.bucket[B] < need) S += t.bucket[B--];  // stops: the buckets sum to Q >= need
+    t.ranked.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (t.mass[i] > 0 && int64_t(key[i] >> kCutShift) == B) t.ranked.emplace_back(key[i], t.mass[i]);
+    std::sort(t.ranked.begin(), t.ranked.end(), std::greater<>());
+    for (const auto& [k, q] : t.ranked)
       if ((S += q) >= need) {
         cut = k;
         break;
       }
   }
   return cut;
-}
-
-// The Gumbel-max scores y_i - log(E_i) of tokens ids[0..n) (E: the exponential variate of the
-// token's hash, CONTRACT.md "sample"), in fp32 with tonp's log; a, w, e: n floats of scratch.
-void gumbel_scores(const float* y, const int64_t* ids, int64_t n, uint64_t key, const Kernels* kern, float* a, float* w,
-                   float* e, float* score) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint64_t h = splitmix64(key ^ uint64_t(ids[j]));
-    const float hi = float(int32_t((h >> 32) & 0x7fffffffu)), lo = float(int32_t(((h >> 1) & 0x7fffffffu) | 1u));
-    w[j] = (hi * 0x1p-31f + lo * 0x1p-62f) * 0.5f;  // in [2^-63, 1/2]: fine near 0
-    a[j] = (h >> 63) ? w[j] : 1.0f - w[j];          // upper half: 1 - U = w; lower: U = w
-  }
-  kern->log_n(a, e, n);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint64_t h = splitmix64(key ^ uint64_t(ids[j]));
-    if (h >> 63)
-      e[j] = 0.0f - e[j];  // -log(w)
-    else  // -log1p(-w) by Goldberg's formula: log(u) * w / (u - 1), u = 1 - w
-      e[j] = a[j] == 1.0f ? w[j] : (e[j] * w[j]) / (a[j] - 1.0f);
-  }
-  kern->log_n(e, a, n);
-  for (int64_t j = 0; j < n; ++j) score[j] = y[ids[j]] - a[j];
 }
 
 // Seeded sampling: Gumbel-max over the kept tokens, noise = hash(seed, request, position, token);
@@ -274,37 +270,33 @@ at::Tensor sample(const at::Tensor& x_, double temperature, int64_t top_k, doubl
   std::vector<int8_t> issues(M, kRowOk);
   at::parallel_for(0, M, grain_for(64 * V), [&](int64_t b, int64_t en) {
     const int64_t n = temperature == 0.0 ? 0 : V;
-    std::vector<float> y(n), a(n), w(n), e(n), score(n);
-    std::vector<int64_t> ids(n);
-    std::vector<uint64_t> key(n);
-    std::vector<std::pair<uint64_t, int64_t>> ranked;
+    std::vector<float> y(n), score(n);
+    std::vector<int64_t> ids;
+    CutScratch cs;
     for (int64_t r = b; r < en; ++r) {
       const float* row = x.data_ptr<float>() + r * V;
       if (temperature == 0.0) {
-        issues[r] = row_argmax(row, V, out.data_ptr<int64_t>() + r);
+        issues[r] = row_argmax(row, V, out.data_ptr<int64_t>() + r, kern);
         continue;
       }
       bool nan = false;
-      float ymax = -INFINITY;
-      for (int64_t i = 0; i < V; ++i) {
-        y[i] = row[i] / T;
-        nan = nan || std::isnan(y[i]);
-        ymax = y[i] > ymax ? y[i] : ymax;
-      }
+      const float ymax = kern->row_max(row, V, Elem::F32, T, y.data(), &nan);  // y = row / T
       issues[r] = nan ? kRowNan : row_issue(ymax, 0.f);
       if (issues[r] != kRowOk) continue;
-      const bool filtered = (top_k > 0 && top_k < V) || top_p < 1.0;
-      const uint64_t cut = filtered ? kept_cut(y.data(), V, ymax, top_k, top_p, kern, key, ranked) : 0;
-      int64_t kept = 0;
-      for (int64_t i = 0; i < V; ++i)
-        if (y[i] != -INFINITY && (!filtered || key[i] >= cut)) ids[kept++] = i;
       const uint64_t base = splitmix64(splitmix64(uint64_t(seed)) ^ splitmix64(uint64_t(req.data_ptr<int64_t>()[r]) + 0x5851f42d4c957f2dull));
       const uint64_t rkey = splitmix64(base ^ splitmix64(uint64_t(pos.data_ptr<int64_t>()[r]) * 0x2545f4914f6cdd1dull));
-      gumbel_scores(y.data(), ids.data(), kept, rkey, kern, a.data(), w.data(), e.data(), score.data());
-      int64_t best = 0;  // ids ascend: a strict > keeps the lowest id among equal scores
-      for (int64_t j = 1; j < kept; ++j)
-        if (score[j] > score[best]) best = j;
-      out.data_ptr<int64_t>()[r] = ids[best];  // a kept finite token exists: the row's max is one
+      // A kept finite token exists (the row's max is one): every token of the row, or the kept
+      // set's finite ones in id order.
+      int64_t* kept = nullptr;
+      int64_t nk = V;
+      if ((top_k > 0 && top_k < V) || top_p < 1.0) {
+        const uint64_t cut = kept_cut(y.data(), V, ymax, top_k, top_p, kern, cs);
+        ids.clear();
+        for (int64_t i = 0; i < V; ++i)
+          if (y[i] != -INFINITY && cs.key[i] >= cut) ids.push_back(i);
+        kept = ids.data(), nk = int64_t(ids.size());
+      }
+      out.data_ptr<int64_t>()[r] = kern->gumbel_argmax(y.data(), kept, nk, rkey, score.data());
     }
   });
   check_rows(issues, "sample", temperature);
