@@ -183,7 +183,7 @@ def pack_weight_groups(weight: torch.Tensor, chunks: int = DEFAULT_CHUNKS
     groups laid out the way the CPU kernels read it (linear's weight_groups, moe_experts'
     gate_up_groups / down_groups),
     or None where this process's kernels read none (the AVX512-BF16 build reads both dtypes,
-    the AVX2 build fp32 from two rows a task, the portable build none) or the
+    the AVX2 build fp32 from four rows a task, the portable build none) or the
     weight is not on the CPU: then nothing is gained, and no memory spent. An exact copy of the
     bytes in the weight's dtype, the same size as the weight: bf16, whole groups of 8 columns for
     the one-row tiles, chunks zero padded to 16 elements, shaped [..., N // 8, chunks, 8 * padded

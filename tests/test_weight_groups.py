@@ -4,7 +4,7 @@ one-row tiles, fp32 in sixteen-column panels in the lane tiles' order for every 
 changes where the bytes are read from, never a bit; where it is read is owned by the engine, so a
 stale copy can never reach a training or scoring forward.
 
-The AVX2 build reads fp32 groups only, from two rows a task; the portable build none. Where a
+The AVX2 build reads fp32 groups only, from four rows a task; the portable build none. Where a
 build reads no groups of a dtype pack_weight_groups returns None and the kernels are the in-place
 ones: the tests below that need a copy assert that this is why."""
 from __future__ import annotations
@@ -29,8 +29,9 @@ def reads_groups(dtype, isa=None) -> bool:
 
 
 def group_rows(dtype) -> int:
-    """The rows a task needs to read this dtype's groups in this build (bf16: one row only)."""
-    return 2 if tk.isa() == "avx2" and dtype == torch.float32 else 1
+    """The rows a task needs to read this dtype's groups in this build (bf16: one row only; AVX2
+    fp32: linear_impl.h's kGroupRowsBuild)."""
+    return 4 if tk.isa() == "avx2" and dtype == torch.float32 else 1
 
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -110,15 +111,16 @@ def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so
-    the equality above compares a path that really reads them); a two-row one reads them in fp32
-    (every row count) and not in bf16 (one row only). The AVX2 build reads fp32 groups from two
-    rows: there the one-row output reads W in place."""
+    the equality above compares a path that really reads them); two and four rows an expert read
+    them in fp32 (every row count) and not in bf16 (one row only). The AVX2 build reads fp32
+    groups from four rows: there one and two rows read W in place."""
     gu, dn = _experts(8, 96, 128, dtype=dtype)
     other_gu, other_dn = _experts(8, 96, 128, seed=5, dtype=dtype)
     gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
-    x = torch.randn(2, 128).to(dtype)
-    for ids, rows in ((torch.tensor([[0, 1], [2, 3]]), 1),     # every expert one row
-                      (torch.tensor([[0, 1], [0, 1]]), 2)):    # two rows an expert
+    x = torch.randn(4, 128).to(dtype)
+    for ids, rows in ((torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), 1),   # every expert one row
+                      (torch.tensor([[0, 1], [0, 1], [2, 3], [2, 3]]), 2),   # two rows an expert
+                      (torch.tensor([[0, 1]] * 4), 4)):                      # four rows an expert
         got, in_place = (tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng),
                          tk.moe_experts(x, ids, gu, dn))
         reads = rows >= group_rows(dtype) and (dtype == torch.float32 or rows == 1)
@@ -159,14 +161,14 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
     """The kernel table is chosen at every call. The portable table (and the AVX2 one for bf16)
     reads W in place: pack_weight_groups makes no groups there, and groups made by the
     AVX512-BF16 table are ignored: the same bits as that table's in place, and as with no groups
-    at all. The AVX2 table reads fp32 groups in the same layout (the same copy) from two rows an
+    at all. The AVX2 table reads fp32 groups in the same layout (the same copy) from four rows an
     expert: the same bits again."""
     gu, dn = _experts(6, 64, 256, dtype=dtype)
     gug, dng = _packed(gu, 8), _packed(dn, 8)
-    x = torch.randn(3, 256).to(dtype)
+    x = torch.randn(4, 256).to(dtype)
     want = {}
-    for name, ids in (("one row an expert", torch.tensor([[0, 1], [2, 3], [4, 5]])),
-                      ("three rows an expert", torch.tensor([[0, 1], [0, 1], [0, 1]]))):
+    for name, ids in (("two rows an expert", torch.tensor([[0, 1], [0, 1], [2, 3], [2, 3]])),
+                      ("four rows an expert", torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]]))):
         want[name] = (ids, tk.moe_experts(x, ids, gu, dn))
     monkeypatch.setenv(*env)
     isa = tk.isa()
@@ -184,8 +186,8 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
         og, od = tk.pack_weight_groups(other[0], 8), tk.pack_weight_groups(other[1], 8)
         for name, (ids, w) in want.items():
             got = tk.moe_experts(x, ids, gu, dn, gate_up_groups=og, down_groups=od)
-            if name == "one row an expert":    # below group_rows_f32: W in place
-                assert_bitwise(got, w, f"{isa}, one row an expert reads W")
+            if name == "two rows an expert":    # below the AVX2 table's group_rows_f32: W in place
+                assert_bitwise(got, w, f"{isa}, two rows an expert read W")
             else:
                 assert not torch.equal(got, w), f"{isa}, {name}: the groups not read"
 

@@ -9,7 +9,7 @@ static const tonp::Kernels kTable = {
     log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad, pack_lanes,
     kLaneRowsBuild,
 #if TONP_AVX2
-    tonp::kRowBlockF32, nullptr, kGroupRowsBuild, false,  // fp32 groups from two rows; no bf16 ones
+    tonp::kRowBlockF32, nullptr, kGroupRowsBuild, false,  // fp32 groups from four rows; no bf16 ones
 #else
     tonp::kRowBlock, nullptr, 0, false,  // no groups
 #endif

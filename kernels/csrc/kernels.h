@@ -235,7 +235,7 @@ struct Kernels {
   // Weight groups, where they were measured to pay; elsewhere a packed copy would be memory for
   // nothing. group_rows_f32: linear_panel (fp32 weights) reads the panel's group, when given it,
   // in tasks of at least this many rows: the AVX-512 table 1 (its lane tiles on zmm registers),
-  // AVX2 2 (its one-row dot tiles read W in place faster); 0: never (portable).
+  // AVX2 4 (its dot tiles read W in place faster at 1-3 rows); 0: never (portable).
   // weight_groups_bf16: linear_panel_bf16 reads bf16 groups (the AVX-512 table's one-row tiles on
   // the instruction).
   int group_rows_f32;

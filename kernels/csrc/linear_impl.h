@@ -8,10 +8,12 @@
 // 64-expert fp32 stream on 2 threads, ran 1.2-1.7x as fast in turn, the lane passes 1.1-1.3x.
 // Neither changes a bit: which rows share a tile and when a line arrives.
 // kGroupRowsBuild: the row count from which a task reads an fp32 weight group it is given (the
-// table's group_rows_f32). AVX2, moe_experts fp32, 128 cold experts, top-8, 2 threads, on the AMD
-// EPYC (Zen 4) running the AVX2 table, against in place: 16 / 32 / 48 / 64 tokens 0.92x / 1.04x /
-// 1.20x / 1.26x reading them from one row, 1.12x / 1.19x / 1.24x / 1.32x from two (one row an
-// expert streams its weight faster through the in-place dot tiles); 128 tokens 1.53x.
+// table's group_rows_f32). AVX2: moe_experts fp32, 128 cold experts, every expert R rows, 2
+// threads, groups against in place alternated in one process, on the AVX2-only AMD EPYC (Zen 3):
+// R = 2 0.80-0.85x, 3 0.83x, 4 0.99-1.09x, 6 1.01x, 8 1.52x, 12 1.33x (medians of 6; one row an
+// expert streams its weight fastest through the in-place dot tiles). So the AVX2 table reads
+// them from four rows. (On the Zen 4 running the AVX2 table, a CPU that runs the AVX-512 one,
+// two rows had measured 1.12-1.32x.)
 #if defined(TONP_AVX512)
 constexpr int kDotTileRows = 4;
 constexpr int kLaneRowsBuild = tonp::kLaneRowsZmm;
@@ -21,7 +23,7 @@ constexpr int kGroupRowsBuild = 1;
 constexpr int kDotTileRows = 3;
 constexpr int kLaneRowsBuild = tonp::kLaneRows;
 constexpr int kWeightPrefetch = 3;
-constexpr int kGroupRowsBuild = 2;
+constexpr int kGroupRowsBuild = 4;
 #endif
 static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kWeightPrefetch); }
 

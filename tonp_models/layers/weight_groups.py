@@ -1,7 +1,7 @@
 """Weight column groups: a second copy of a layer's weights laid out the way the CPU kernels read
 them (tonp_kernels.pack_weight_groups; kernels.h): bf16 in eight-column groups that the one-row
 tiles read as one stream, fp32 in sixteen-column panels in the lane tiles' order, read at every
-row count (the AVX2 build: fp32 only, from two rows). The same bits as the weights in place, the
+row count (the AVX2 build: fp32 only, from four rows). The same bits as the weights in place, the
 same size again in memory. Who holds them, from measurements on the AMD EPYC (Zen 4):
 - the MoE experts, both dtypes: the bf16 one-row experts streamed 1.2-1.4x as fast on the fast
   bus (1.0-1.1x on the slow one), the fp32 experts 1.03-1.24x at 1-16 rows (the AVX2 table
