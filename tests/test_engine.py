@@ -196,6 +196,29 @@ def test_requests_join_and_leave_at_any_step_with_their_own_settings():
     assert engine.cache.free_slots == 3
 
 
+def test_ranked_is_the_head_of_a_stable_descending_sort():
+    """The top logprobs' ranking (engine/sampling.py `ranked`, topk's cut and a sort of the
+    candidates only) is the first k of each row's stable descending sort, ids and value bits:
+    ties at the cut and inside the top k (lower id first), -0 / +0, -inf entries, an all-equal
+    row, a NaN row (the full sort's order), k beyond the vocabulary."""
+    from tonp_models.engine.sampling import ranked
+    g = torch.Generator().manual_seed(3)
+    for V in (1, 3, 8, 50, 1000):
+        x = torch.randn(7, V, generator=g).log_softmax(-1)
+        x[1] = torch.round(x[1] * 2) / 2
+        x[2, ::2] = float("-inf")
+        x[3] = 0.0
+        x[3, ::3] = -0.0
+        x[4] = -1.0
+        x[5, V // 2] = float("nan")
+        x[6, 0] = float("-inf")
+        for k in (1, 2, 5, 20, 2000):
+            vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+            got_ids, got_vals = ranked(x, k)
+            assert torch.equal(got_ids, ids[:, :k]), (V, k)
+            assert torch.equal(got_vals.view(torch.int32), vals[:, :k].view(torch.int32)), (V, k)
+
+
 def test_top_logprobs_are_the_log_softmax_and_hold_the_chosen_token():
     model = tiny_model(torch.float32)
     p = prompts((9,), seed=7)[0]
