@@ -200,8 +200,13 @@ def test_ranked_is_the_head_of_a_stable_descending_sort():
     """The top logprobs' ranking (engine/sampling.py `ranked`, topk's cut and a sort of the
     candidates only) is the first k of each row's stable descending sort, ids and value bits:
     ties at the cut and inside the top k (lower id first), -0 / +0, -inf entries, an all-equal
-    row, a NaN row (the full sort's order), k beyond the vocabulary."""
+    row, a NaN row (the full sort's order), k beyond the vocabulary. The twin: torch.topk's own
+    ids on ties are not the stable sort's (the candidates must be sorted again)."""
     from tonp_models.engine.sampling import ranked
+    ties = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0, 2.0] * 50])
+    stable = torch.sort(ties, dim=-1, descending=True, stable=True).indices[:, :5]
+    assert not torch.equal(torch.topk(ties, 5).indices, stable)
+    assert torch.equal(ranked(ties, 5)[0], stable)
     g = torch.Generator().manual_seed(3)
     for V in (1, 3, 8, 50, 1000):
         x = torch.randn(7, V, generator=g).log_softmax(-1)

@@ -111,6 +111,16 @@ inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return 
 //   + i * 2 * kPanel floats from the chunk's block (kc * kPanel floats). A lane pass then reads
 //   its pair's weights front to back, one stream, with no per-task transpose.
 constexpr int kGroupCols = 8;  // columns of a bf16 weight group
+// splitmix64: sampling's hash (CONTRACT.md "sample": the request key and every token's noise),
+// shared by vocab_ops.cpp and the portable table's noise; the AVX2 tables compute it in 64-bit
+// lanes (kernels_impl.h splitmix64x4), the same integers.
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 inline int64_t weight_group_cols(Elem w) { return w == Elem::F32 ? kPanel : kGroupCols; }
 inline int64_t group_chunk_stride(int64_t kc, Elem w) { return w == Elem::F32 ? kc : bf16_chunk_stride(kc); }
 inline int64_t group_block(Elem w) { return w == Elem::F32 ? 8 : 16; }  // a dot tile's step: one V8 of fp32, a pair-chain block of bf16

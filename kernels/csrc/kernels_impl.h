@@ -267,16 +267,10 @@ static inline void noise_bits8(uint64_t key, const int64_t* ids, int64_t t0, flo
   _mm256_store_ps(sign, _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f), _mm256_castsi256_ps(top)));
 }
 #else
-static inline uint64_t splitmix64_1(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 template <bool kIds>
 static inline void noise_bits8(uint64_t key, const int64_t* ids, int64_t t0, float* hi, float* lo, float* sign) {
   for (int l = 0; l < 8; ++l) {
-    const uint64_t h = splitmix64_1(key ^ uint64_t(kIds ? ids[l] : t0 + l));
+    const uint64_t h = tonp::splitmix64(key ^ uint64_t(kIds ? ids[l] : t0 + l));
     hi[l] = float(int32_t((h >> 32) & 0x7fffffffu));
     lo[l] = float(int32_t(((h >> 1) & 0x7fffffffu) | 1u));
     sign[l] = (h >> 63) ? -1.0f : 1.0f;

@@ -175,13 +175,6 @@ std::tuple<at::Tensor, at::Tensor> max_with_index(const at::Tensor& x) { return 
 
 at::Tensor argmax(const at::Tensor& x) { return std::get<1>(max_rows(x, "argmax", false, true)); }
 
-inline uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 // --- seeded sampling (CONTRACT.md "sample"; tonp_kernels/accel/sample.py is its Triton twin) ---
 // The rank of a token: (y descending, id ascending) as one integer, larger = earlier. y's bits
 // are mapped to an order-preserving integer (-0 read as +0).
