@@ -35,8 +35,17 @@ from benchlib import RESULTS_DIR, log, machine_meta, md_table, write_results  # 
 import tonp_kernels as tk  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_C = REPO / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "vllm" / "_C.abi3.so"
+VLLM_PKG = REPO / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "vllm"
 E, H, I, TOP = 128, 2048, 768, 8
+
+
+def vllm_library() -> Path:
+    """The kernel library vLLM itself loads on this CPU (vllm/platforms/cpu.py `import_kernels`):
+    _C with AVX512-BF16, _C_AVX512 with AVX-512 alone, _C_AVX2 otherwise (_C on an AVX2-only CPU
+    dies of an illegal instruction)."""
+    if torch.cpu._is_avx512_supported():
+        return VLLM_PKG / ("_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so")
+    return VLLM_PKG / "_C_AVX2.abi3.so"
 
 
 def model_routing(tokens: int) -> torch.Tensor:
@@ -69,10 +78,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = ap.parse_args(argv)
-    if not VLLM_C.exists():
+    lib = vllm_library()
+    if not lib.exists():
         log("peer_moe: vLLM not installed (make peer-vllm); nothing measured")
         return {}
-    torch.ops.load_library(str(VLLM_C))
+    torch.ops.load_library(str(lib))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     torch.manual_seed(0)
     gu = tk.on_huge_pages(torch.randn(E, 2 * I, H) * 0.02)

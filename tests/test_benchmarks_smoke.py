@@ -271,7 +271,7 @@ def test_packed_experts_groups_give_the_in_place_bits(capsys):
 def test_peer_moe_says_not_installed_without_vllms_venv(tmp_path, monkeypatch, capsys):
     """benchmarks/peer_moe.py is optional: without .venv-vllm it measures and writes nothing."""
     import peer_moe
-    monkeypatch.setattr(peer_moe, "VLLM_C", tmp_path / "absent" / "_C.abi3.so")
+    monkeypatch.setattr(peer_moe, "VLLM_PKG", tmp_path / "absent")
     assert peer_moe.main(["--out", str(tmp_path)]) == {}
     assert "vLLM not installed (make peer-vllm)" in capsys.readouterr().out
     assert not list(tmp_path.glob("peer_moe*"))
