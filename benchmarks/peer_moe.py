@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
-from benchlib import RESULTS_DIR, log, machine_meta, md_table, write_results  # noqa: E402
+from benchlib import RESULTS_DIR, log, machine_meta, md_table, write_record  # noqa: E402
 
 import tonp_kernels as tk  # noqa: E402
 
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
             "distinct experts' weight bytes over the best time. The outputs differ in the "
             "last bits (two fp32 orders): a check that both ran the same experts.\n")
     data = {"meta": meta, "routing": a.routing, "results": results}
-    write_results(a.out, "peer_moe", md, data)
+    write_record(a.out, "peer_moe", md, data)
     return data
 
 
