@@ -407,9 +407,10 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // 8 / 12; the prefetch shared out as here besides 1.00-1.04x / 1.16-1.22x / 1.20-1.22x. A second,
 // farther prefetch into L2 was slower (0.85-0.92x), and so were the AVX2 lane tiles of more rows
 // with the 4 KB prefetch (whole linears of 64-128 rows 0.96-0.97x: they compute more than they
-// wait). The cost: hot, one thread on four panels in L2, 4-16 rows run 0.77-0.92x at K = 768 and
-// 0.90-0.98x at K = 2048 (short passes; the per-pass work weighs more when no wait hides it). A
-// decode's weights are never hot.
+// wait). The cost: hot, one thread on four panels in L2, 5-16 rows run 0.77-0.93x at K = 768 and
+// 0.90-0.98x at K = 2048, 4 rows 0.90-0.95x (short passes; the per-pass work weighs more when no
+// wait hides it; inlined into linear_rows_blocked, 5-6 rows ran 0.64-0.68x). A decode's weights
+// are never hot.
 constexpr int64_t kStreamRows = 16;
 // What lane_block_streamed needs of a block's shape, worked out once a call (kc and the rows are
 // fixed across its chunks and panels): per lane its steps and where its x starts in a tile's
@@ -436,8 +437,23 @@ struct StreamPlan {
 };
 static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
                                 const float* blk, const LaneStarts& starts, float* pc /* [rows, 16] */) {
-  alignas(32) float lanes[kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
   const uintptr_t next = reinterpret_cast<uintptr_t>(blk) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
+  if (plan.tiles == 1) {  // one tile (4 rows or fewer): lane_tile_packed's loop, prefetching (the
+    // general loop below ran it 0.84-0.86x as fast hot at K = 768, this one 0.94-0.95x; cold the same)
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto mr) {
+      constexpr int MR = decltype(mr)::value;
+      float lanes[8][MR * kPanel];
+      const float* x = xl + c * MR * kc;
+      for (int l = 0; l < 8; ++l) {
+        lane_pass<MR, true>(x, blk + starts.grouped[l], plan.steps[l], 2 * kPanel, lanes[l],
+                            next + 64 * uintptr_t(plan.fetch_first[l][0]), plan.fetch_lines[l][0]);
+        x += plan.steps[l] * MR;
+      }
+      lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, pc);
+    });
+    return;
+  }
+  alignas(32) float lanes[kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
   for (int l = 0; l < 8; ++l) {
     int t = 0;
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
