@@ -1,5 +1,5 @@
 // The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h),
-// the fp32-FMA linear's lane passes on zmm (linear_impl.h, TONP_AVX512) and the backward GEMM on
+// the fp32-FMA linear's lane passes on zmm (linear_lanes.h, TONP_AVX512) and the backward GEMM on
 // AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own function. The zmm lane passes
 // perform the AVX2 build's chains operand for operand; the pair chains run on the new instruction
 // and give the emulation's bits (checked here once, on a table of edge cases, before the table is
@@ -14,7 +14,7 @@
 #include "kernels.h"
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 #define TONP_AVX2 1
-#define TONP_AVX512 1  // linear_impl.h: the fp32-FMA linear's lane passes on zmm (same chains)
+#define TONP_AVX512 1  // linear_lanes.h: the fp32-FMA linear's lane passes on zmm (same chains)
 #define TONP_ISA_NAME "avx512bf16"
 
 namespace tonp_avx512bf16 {

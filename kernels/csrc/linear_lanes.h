@@ -1,0 +1,375 @@
+// The fp32-FMA linear's lane passes (the many-row layout, and every row count on an fp32 weight
+// group), compiled once per ISA: included by linear_impl.h, inside the ISA's namespace, after the
+// dot tiles (for_row_tiles, chunk_tree, tile_hsum's tree) and before linear_panel, which calls
+// linear_rows_blocked and store_rows. The order these passes compute is linear_impl.h's header.
+
+// The many-row path computes the same lane chains transposed. Lane l of output (m, n) is the
+// chain over k = l, l + 8, ... of the chunk (k mod 8 = l, tail included): for a fixed lane that is
+// an outer product, sixteen outputs of a row in two vectors, one broadcast of x[m, k] per k, so a
+// row tile needs no horizontal sum. Each lane's chains go to `lanes`, and the eight lane values
+// of an output are finished by the hsum tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), lane-wise
+// across vectors: exactly the values and the order of dot_chunk, without a horizontal sum per
+// output. wt: the chunk's weights transposed, [kc, 16] (columns past ncols zero).
+#if defined(TONP_AVX512)
+constexpr int kLaneTileRows = 8;  // the AVX-512 build: a row's sixteen outputs in one zmm, eight rows a tile
+#else
+constexpr int kLaneTileRows = 4;  // AVX2, portable: a row's sixteen outputs in two vectors, four rows a tile
+#endif
+
+// x lane-packed: the row block's x in the order the lane passes read it, made once per row block
+// and read by every panel of it. Tile by tile (kLaneTileRows rows, the last tile the rows left;
+// tile r's data at xl + r * K), chunk by chunk (at c * MR * kc within the tile), lane by lane, the
+// lane's k = l, l + 8, ... in order, the tile's rows innermost. A lane pass then takes its
+// broadcasts from one contiguous run rather than from MR strided rows: an exact copy, the same
+// operands in the same order (AMD EPYC, lane passes reading x in place against packed, in turn:
+// AVX2 on Zen 3 1.1-1.3x at K = 768-4096; the zmm tiles on Zen 4 1.0-1.26x).
+static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    float* t = xl + r0 * kc * chunks;
+    if (kc % 8 == 0 && MR >= 4) {
+      // Eight k's of the tile's rows at a time: an 8 x 8 transpose puts lane l's step (the rows'
+      // x[., k0 + l]) in one vector, stored where the scalar order below puts it (chunk c, lane l,
+      // step i at c * MR * kc + MR * (l * kc / 8 + i)). The same floats at the same places; on
+      // the AMD EPYC (Zen 4), one thread, 256 rows: K = 768 0.074 -> 0.020 ms, K = 2048 0.19 ->
+      // 0.066 ms (a 256-row block's pack had cost 1.3 panels of its GEMM); whole fp32 linears
+      // with weight groups, 2 threads, against the previous build in one process, 1.00-1.03x
+      // (benchmarks/table_ab.py). Tiles of 1-3 rows copy one float at a time, as before:
+      // transposing 8 rows for them ran 1.1-2.5x slower.
+      const int64_t steps = kc / 8;
+      for (int c = 0; c < chunks; ++c, t += MR * kc)
+        for (int64_t i = 0; i < steps; ++i) {
+          V8 v[8];
+          for (int r = 0; r < 8; ++r) v[r] = r < MR ? vload(x + (r0 + r) * ldx + c * kc + 8 * i) : vzero();
+          transpose8(v);
+          for (int l = 0; l < 8; ++l) {
+            float* d = t + MR * (l * steps + i);
+            if constexpr (MR == 8) {
+              vstore(d, v[l]);
+            } else {
+              float tmp[8];
+              vstore(tmp, v[l]);
+              for (int r = 0; r < MR; ++r) d[r] = tmp[r];
+            }
+          }
+        }
+      return;
+    }
+    for (int c = 0; c < chunks; ++c)
+      for (int l = 0; l < 8; ++l)
+        for (int64_t k = l; k < kc; k += 8)
+          for (int r = 0; r < MR; ++r) *t++ = x[(r0 + r) * ldx + c * kc + k];
+  });
+}
+
+// Where a lane tile finds its weights: lane l's step i (k = l + 8 i) at lane(l) + i * step floats
+// from the chunk's block. The chunk transposed per task (transpose_chunk, [kc, 16] in k order):
+// l * 16, step 128. An fp32 weight group's chunk (kernels.h, lanes in pairs): lane_pair_start,
+// step 32, so a pass over a lane pair reads one run front to back (`ahead`: floats ahead of it
+// to prefetch, 0: none). Only addresses differ: each lane meets the same weights in the same order.
+// The lanes' starts depend on kc alone, so a linear_rows_blocked call computes them once
+// (LaneStarts), not every pass of every tile: on the AVX-512 tiles of 1-7 rows, 1.02-1.08x at
+// K = 2048 and 1.06-1.15x at K = 768 (AMD EPYC, Zen 4, one thread, hot weights, one process);
+// the AVX2 table level (0.97-1.10x).
+struct LaneStarts {
+  int64_t transposed[8], grouped[8];
+  explicit LaneStarts(int64_t kc) {
+    for (int l = 0; l < 8; ++l) transposed[l] = l * kPanel, grouped[l] = tonp::lane_pair_start(kc, l);
+  }
+};
+struct LaneWalk {
+  const float* w;
+  int64_t kc, step, ahead;
+  const int64_t* start;  // lane l's first weight at w + start[l]
+  static LaneWalk transposed(const float* wt, int64_t kc, const LaneStarts& s) { return {wt, kc, 8 * kPanel, 0, s.transposed}; }
+  static LaneWalk grouped(const float* g, int64_t kc, int64_t ahead, const LaneStarts& s) {
+    return {g, kc, 2 * kPanel, ahead, s.grouped};
+  }
+  const float* lane(int l) const { return w + start[l]; }
+};
+
+#if defined(TONP_AVX512)
+// The AVX-512 build's lane tile: two lanes' passes at a time (2 x MR independent FMA chains, the
+// same operands in the same order), their lane values closed in registers by lanes_tree's adds
+// in its order, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): no lane value is stored, only
+// the lower half's sums wait in memory while the upper half runs (the registers are the
+// accumulators'). Against storing the eight lane vectors and closing them in lanes_tree, on the
+// AMD EPYC (Zen 4), one thread, hot weights, the builds alternated: K = 768 (chunks of 96, where
+// the closure weighs most) 1.11x at 256 rows, 1.14-1.20x at 32; K = 2048 1.03-1.06x at 64-256.
+// The same values (only a NaN's payload, which the contract leaves to the device, may differ).
+// Code generation, no arithmetic: the row loops are unrolled by pragma, so GCC keeps every tile's
+// accumulators in registers (it had zeroed and spilled the 4-7-row tiles' through the stack in
+// every pass, `rep stos` included), and tiles of fewer than 4 rows pin the two weight vectors in
+// registers (an empty asm), where GCC had re-read them from memory in each row's FMA. With
+// LaneStarts, against the previous build in one process (AMD EPYC, Zen 4, one thread, hot
+// weights): K = 2048 at 2 / 3 / 4-7 rows 1.29x / 1.74x / 1.10-1.27x, K = 768 1.29x / 1.53x /
+// 1.22-1.52x, 9 and 12 rows 1.04-1.11x, 1, 8, 16 and 64 rows level; every output byte equal.
+template <int MR>
+static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /* [MR, 16] */) {
+  const int64_t kc = lw.kc, st = lw.step;
+  alignas(64) float low[MR][kPanel];  // (l0 + l1) + (l2 + l3)
+  __m512 s01[MR], s45[MR];
+  // Lanes a and a + 1 (their k = a, a + 8, ... and a + 1, a + 9, ...; lane a may have one step
+  // more): acc_a + acc_b per row, the tree's first level.
+  auto pass = [&](int a, __m512* sum) {
+    const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
+    const float* xa = xl;
+    const float* xb = xl + na * MR;
+    const float* wa_ = lw.lane(a);
+    const float* wb_ = lw.lane(a + 1);
+    __m512 A[MR], B[MR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) A[r] = B[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < nb; ++i, xa += MR, xb += MR) {
+      if (lw.ahead) {  // a group's run: the lines `ahead` floats on (integer addresses: a hint never faults)
+        const uintptr_t q = reinterpret_cast<uintptr_t>(wa_) + sizeof(float) * uintptr_t(i * st + lw.ahead);
+        prefetch_w(q);
+        prefetch_w(q + 64);
+      }
+      __m512 wa = _mm512_loadu_ps(wa_ + i * st), wb = _mm512_loadu_ps(wb_ + i * st);
+      if constexpr (MR < 4) __asm__("" : "+v"(wa), "+v"(wb));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
+        B[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r]), wb, B[r]);
+      }
+    }
+    if (i < na) {
+      const __m512 wa = _mm512_loadu_ps(wa_ + i * st);
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) A[r] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r]), wa, A[r]);
+    }
+    xl += (na + nb) * MR;
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) sum[r] = _mm512_add_ps(A[r], B[r]);
+  };
+  pass(0, s01);
+  {
+    __m512 s23[MR];
+    pass(2, s23);
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) _mm512_store_ps(low[r], _mm512_add_ps(s01[r], s23[r]));
+  }
+  pass(4, s45);
+  __m512 s67[MR];
+  pass(6, s67);
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+    _mm512_storeu_ps(part + r * kPanel, _mm512_add_ps(_mm512_load_ps(low[r]), _mm512_add_ps(s45[r], s67[r])));
+}
+#else
+// One lane's pass of an MR-row tile (the AVX2 and portable builds): its n steps, x at xl (MR
+// floats a step), weights at wl (`step` floats apart), the MR x 16 lane values stored to `lane`.
+// kFetch: the pass also prefetches `fetch_lines` cache lines from `fetch` on, one a step (a hint:
+// integer addresses, no arithmetic).
+template <int MR, bool kFetch = false>
+static inline void lane_pass(const float* xl, const float* wl, int64_t n, int64_t step, float* lane,
+                             uintptr_t fetch = 0, int64_t fetch_lines = 0) {
+  V8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+  auto steps = [&](int64_t i, int64_t end, auto fetching) {
+    for (; i < end; ++i, xl += MR, wl += step) {
+      if constexpr (decltype(fetching)::value)
+        __builtin_prefetch(reinterpret_cast<const void*>(fetch + 64 * uintptr_t(i)), 0, 1);
+      const V8 w0 = vload(wl), w1 = vload(wl + 8);
+      for (int r = 0; r < MR; ++r) {
+        const V8 xb = vset1(xl[r]);
+        acc[r][0] = vfma(xb, w0, acc[r][0]);
+        acc[r][1] = vfma(xb, w1, acc[r][1]);
+      }
+    }
+  };
+  const int64_t fetched = kFetch ? std::min(n, fetch_lines) : 0;  // the first steps prefetch, the rest do not
+  steps(int64_t(0), fetched, std::bool_constant<kFetch>());
+  steps(fetched, n, std::false_type());
+  for (int r = 0; r < MR; ++r) {
+    vstore(lane + r * kPanel, acc[r][0]);
+    vstore(lane + r * kPanel + 8, acc[r][1]);
+  }
+}
+
+// The lane tile of the AVX2 and portable builds: xl = the tile's chunk (its lanes one after another).
+template <int MR>
+static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /* [MR, 16] */) {
+  float lanes[8][MR * kPanel];
+  for (int l = 0; l < 8; ++l) {
+    const int64_t n = tonp::lane_steps(lw.kc, l);
+    lane_pass<MR>(xl, lw.lane(l), n, lw.step, lanes[l]);
+    xl += n * MR;
+  }
+  lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
+}
+
+// A chunk of an fp32 weight group streamed by a block of at most kStreamRows rows (the decode's
+// experts: 4-16 rows an expert; its dense linears at 8-16 rows): lane by lane, every row tile of
+// the block on the lane's run while it is in L1 (the run comes from memory once, in eight short
+// waits, not once per tile), and the block's passes share the prefetch of the chunk after this
+// one (the group is one stream, panel after panel, expert after expert), each pass its own
+// lines, one a step, into L2. The same passes as lane_tile_packed, in another order: every lane
+// value and the tree over them are unchanged.
+// Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, cold weights, in one process,
+// alternated, every output byte equal. Against the build before (7e1a7c6: tile after tile, no
+// prefetch; benchmarks/table_ab.py): the experts' decode stages, Poisson rows an expert, mean 4
+// 1.08-1.11x, mean 8 1.24-1.29x, mean 1 level (1-3 rows read W in place); linear on its groups
+// at 8-16 rows (N = 4096 and 16384, K = 2048) 1.30-1.44x. 128 experts of R rows each, on the way:
+// each tile prefetching 4 KB ahead in its even lanes (the AVX-512 tile's way) 1.08-1.10x at R = 4
+// and 8; the lanes interleaved over the tiles besides 1.03x / 1.11-1.14x / 1.08-1.15x at R = 4 /
+// 8 / 12; the prefetch shared out as here besides 1.00-1.04x / 1.16-1.22x / 1.20-1.22x. A second,
+// farther prefetch into L2 was slower (0.85-0.92x), and so were the AVX2 lane tiles of more rows
+// with the 4 KB prefetch (whole linears of 64-128 rows 0.96-0.97x: they compute more than they
+// wait). The cost: hot, one thread on four panels in L2, 5-16 rows run 0.77-0.93x at K = 768 and
+// 0.90-0.98x at K = 2048, 4 rows 0.90-0.95x (short passes; the per-pass work weighs more when no
+// wait hides it; inlined into linear_rows_blocked, 5-6 rows ran 0.64-0.68x). A real model's
+// decode never reads them hot (one 30B-A3B expert is 19 MB in fp32).
+constexpr int64_t kStreamRows = 16;
+// What lane_block_streamed needs of a block's shape, worked out once a call (kc and the rows are
+// fixed across its chunks and panels): per lane its steps and where its x starts in a tile's
+// chunk (pack_lanes: the lanes one after another); the row tiles; per pass (lane, tile) its share
+// of the next chunk's kc lines (64 bytes hold a k's sixteen weights).
+struct StreamPlan {
+  int64_t steps[8], xoff[8];
+  int tiles = 0;
+  int64_t fetch_first[8][kStreamRows / kLaneTileRows], fetch_lines[8][kStreamRows / kLaneTileRows];
+  bool on = false;  // the block is streamed (a group, at most kStreamRows rows, chunks over one lane step)
+  StreamPlan(const float* wg, int64_t kc, int64_t rows) {
+    if (!wg || rows > kStreamRows || kc <= 8) return;
+    on = true;
+    for (int l = 0; l < 8; ++l) steps[l] = tonp::lane_steps(kc, l), xoff[l] = l ? xoff[l - 1] + steps[l - 1] : 0;
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto) { ++tiles; });
+    const int64_t share = (kc + 8 * tiles - 1) / (8 * tiles);
+    for (int l = 0; l < 8; ++l)
+      for (int t = 0; t < tiles; ++t) {
+        const int64_t first = (int64_t(l) * tiles + t) * share;
+        fetch_first[l][t] = first;
+        fetch_lines[l][t] = std::max<int64_t>(0, std::min(share, kc - first));
+      }
+  }
+};
+static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
+                                const float* blk, const LaneStarts& starts, float* pc /* [rows, 16] */) {
+  const uintptr_t next = reinterpret_cast<uintptr_t>(blk) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
+  if (plan.tiles == 1) {  // one tile (4 rows or fewer): lane_tile_packed's loop, prefetching (hot at
+    // K = 768 against the build before: the general loop below 0.84-0.86x, this one 0.94-0.95x; cold level)
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto mr) {
+      constexpr int MR = decltype(mr)::value;
+      float lanes[8][MR * kPanel];
+      const float* x = xl + c * MR * kc;
+      for (int l = 0; l < 8; ++l) {
+        lane_pass<MR, true>(x, blk + starts.grouped[l], plan.steps[l], 2 * kPanel, lanes[l],
+                            next + 64 * uintptr_t(plan.fetch_first[l][0]), plan.fetch_lines[l][0]);
+        x += plan.steps[l] * MR;
+      }
+      lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, pc);
+    });
+    return;
+  }
+  alignas(32) float lanes[kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
+  for (int l = 0; l < 8; ++l) {
+    int t = 0;
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+      constexpr int MR = decltype(mr)::value;
+      lane_pass<MR, true>(xl + r * kc * chunks + (c * kc + plan.xoff[l]) * MR, blk + starts.grouped[l], plan.steps[l],
+                          2 * kPanel, lanes + (8 * r + l * MR) * kPanel, next + 64 * uintptr_t(plan.fetch_first[l][t]),
+                          plan.fetch_lines[l][t]);
+      ++t;
+    });
+  }
+  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+    lanes_tree(lanes + 8 * r * kPanel, mr() * kPanel, mr() * kPanel, pc + r * kPanel);
+  });
+}
+#endif
+
+// wt[k, n] = W[n, k] for the panel's ncols <= 16 weight rows and k < kc (columns past ncols
+// zero), widened to fp32: an exact copy, eight by eight through transpose8.
+template <typename T>
+static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t kc, float* wt) {
+  const int64_t k8 = kc / 8 * 8;
+  for (int n0 = 0; n0 < kPanel; n0 += 8) {
+    for (int64_t k = 0; k < k8; k += 8) {
+      V8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = n0 + i < ncols ? vload(W + (n0 + i) * ldw + k) : vzero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) vstore(wt + (k + i) * kPanel + n0, r[i]);
+    }
+    for (int64_t k = k8; k < kc; ++k)
+      for (int i = 0; i < 8; ++i) wt[k * kPanel + n0 + i] = n0 + i < ncols ? to_f32(W[(n0 + i) * ldw + k]) : 0.f;
+  }
+}
+
+// Lane passes over an fp32 weight group (kernels.h): the prefetch distance, in floats, of a row
+// tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
+// 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
+// expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
+// run, in git history). Tiles of 2-7 rows 8 KB ahead: moe_experts fp32, 128 cold experts, top-8
+// of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
+// an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
+// 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
+// 81); 128 tokens 82-89 against 94-98 (slow bus). One row (16 tokens: one or two rows an expert)
+// level with or without, so it prefetches nothing.
+constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
+inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : rows >= 2 ? kGroupAheadSmall : 0; }
+
+// A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
+// dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
+// place, no copy). Eight at a time with one vector store measured no faster: whole linears
+// 0.98-1.00x, one row an expert 0.97-0.99x (AMD EPYC, Zen 4, one process).
+static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
+                       Elem oelem) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < ncols; ++j) {
+      float v = res[r * kPanel + j];
+      if (bias) v = v + bias[j];
+      store1(out, r * ldo + j, v, oelem);
+    }
+}
+
+// Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
+// row tile of the block, or read from the panel's fp32 weight group wg (non-null: already in the
+// lane tiles' order, nothing transposed); the partials of each (row, column, chunk) are the
+// values dot_tile computes, finished by the same chunk tree: only the loop order differs from
+// the dot products. xl: x lane-packed (pack_lanes).
+template <typename T>
+static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
+                                int64_t kc, int chunks, int ncols, float* pbuf /* [chunks, rows, 16] */,
+                                float* wt /* [kc, 16] */, const float* wg, const float* bias, void* out, int64_t ldo,
+                                Elem oelem) {
+  const int64_t cstride = rows * kPanel;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  const LaneStarts starts(kc);
+#if !defined(TONP_AVX512)
+  const StreamPlan streamed(wg, kc, rows);
+#endif
+  for (int c = 0; c < chunks; ++c) {
+    const float* xc = x + c * kc;
+    float* pc = pbuf + c * cstride;
+    const float* blk = wg ? wg + c * kc * kPanel : wt;  // the chunk's weights as the lane tiles read them
+    if (!wg) {
+      transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
+      // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
+      // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
+      // the addresses are integers (past the last panel they may lie outside W; a prefetch never
+      // faults, and no out-of-range pointer is formed).
+      const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
+      for (int n = 0; n < kPanel; ++n)
+        for (int64_t k = 0; k < kc; k += kLine)
+          prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
+    }
+    if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers (a
+      for (int64_t r = 0; r < rows; ++r)  // group's chunk of at most 8 is in k order, as wt)
+        for (int n0 = 0; n0 < kPanel; n0 += 8) {
+          V8 p[8];
+          for (int l = 0; l < 8; ++l) p[l] = l < kc ? vfma(vset1(xc[r * ldx + l]), vload(blk + l * kPanel + n0), vzero()) : vzero();
+          vstore(pc + r * kPanel + n0, vadd(vadd(vadd(p[0], p[1]), vadd(p[2], p[3])), vadd(vadd(p[4], p[5]), vadd(p[6], p[7]))));
+        }
+      continue;
+    }
+#if !defined(TONP_AVX512)
+    if (streamed.on) {
+      lane_block_streamed(streamed, xl, rows, kc, chunks, c, blk, starts, pc);
+      continue;
+    }
+#endif
+    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, group_ahead(mr()), starts) : LaneWalk::transposed(blk, kc, starts);
+      lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
+    });
+  }
+  chunk_tree(pbuf, cstride, chunks, cstride);
+  store_rows(pbuf, rows, ncols, bias, out, ldo, oelem);
+}
