@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import time
@@ -41,8 +42,10 @@ E, H, I, TOP = 128, 2048, 768, 8
 
 def vllm_library() -> Path:
     """The kernel library vLLM itself loads on this CPU (vllm/platforms/cpu.py `import_kernels`):
-    _C with AVX512-BF16, _C_AVX512 with AVX-512 alone, _C_AVX2 otherwise (_C on an AVX2-only CPU
-    dies of an illegal instruction)."""
+    on x86 _C with AVX512-BF16, _C_AVX512 with AVX-512 alone, _C_AVX2 otherwise (_C on an
+    AVX2-only CPU dies of an illegal instruction); _C elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return VLLM_PKG / "_C.abi3.so"
     if torch.cpu._is_avx512_supported():
         return VLLM_PKG / ("_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so")
     return VLLM_PKG / "_C_AVX2.abi3.so"
