@@ -217,8 +217,8 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // wait hides it; inlined into linear_rows_blocked, 5-6 rows ran 0.64-0.68x). A real model's
 // decode never reads them hot (one 30B-A3B expert is 19 MB in fp32).
 constexpr int64_t kStreamRows = 16;
-// What lane_block_streamed needs of a block's shape, worked out once a call (kc and the rows are
-// fixed across its chunks and panels): per lane its steps and where its x starts in a tile's
+// What lane_block_streamed needs of a block's shape, worked out once per linear_rows_blocked call
+// (one panel: kc and the rows are fixed across its chunks; a few dozen integers): per lane its steps and where its x starts in a tile's
 // chunk (pack_lanes: the lanes one after another); the row tiles; per pass (lane, tile) its share
 // of the next chunk's kc lines (64 bytes hold a k's sixteen weights).
 struct StreamPlan {
