@@ -10,12 +10,14 @@ build is `kernels/csrc` of `--base` (git archive), compiled with its table's nam
 linked beside the working tree's (benchmarks/table_ab_bench.cpp), so both run in one process,
 alternated, on the same data; every output is compared byte for byte between the two builds.
 Three measurements:
-  * hot: one thread, four 16-column panels (in L2), per row count 1-256, K = 2048 and 768;
+  * hot: one thread, four 16-column panels (in L2), per row count 1-256, K = 2048 and 768; the
+    same for bf16 x bf16 (`linear_panel_bf16`, two 64-column panels, 1-16 rows);
   * linear: whole fp32 linears with weight groups on OMP_NUM_THREADS threads (the attention
     projections' and an expert's prefill shapes), tasks split as tk.linear splits them;
-  * experts: the experts' two decode stages over 128 cold experts (30B-A3B shapes), rows an
-    expert drawn from Poisson(1, 4, 8), a read probe around each sample; ratios per bus state
-    (fast: both probes at 45 GB/s or more).
+  * experts: the experts' two decode stages over 128 cold experts (30B-A3B shapes, weights on
+    2 MB pages as a model's), rows an expert drawn from Poisson(1, 4, 8), a read probe around
+    each sample; ratios per bus state (fast: both probes at 45 GB/s or more); in fp32
+    (`linear_panel` on weight groups) and in bf16 x bf16 (`linear_panel_bf16`'s pair chains).
 Refuses a base whose kernels/csrc/kernels.h differs from the working tree's (the table layouts
 could differ). Writes benchmarks/results/table_ab.{md,json} (`table_ab_<machine>` for another
 machine's run); --smoke writes nothing.
@@ -96,7 +98,7 @@ def main(argv=None) -> dict:
     table = a.table or ("avx512bf16" if tk.isa() == "avx512bf16" else "avx2")
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     meta = machine_meta()
-    res = {"hot": [], "linear": [], "experts": []}
+    res = {"hot": [], "hot_bf16": [], "linear": [], "experts": [], "experts_bf16": []}
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(a.base, Path(tmp))
         for K in ((256,) if a.smoke else (2048, 768)):
@@ -105,41 +107,53 @@ def main(argv=None) -> dict:
                 return {}
             res["hot"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]), "new_GFLOPs": float(r[4]),
                             "ratio": float(r[5])} for r in got]
+            got = run(exe, ["hot_bf16", table, K, 1 if a.smoke else a.rounds], 1)
+            res["hot_bf16"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]),
+                                 "new_GFLOPs": float(r[4]), "ratio": float(r[5])} for r in got]
         for M, K, N in ([(64, 256, 64)] if a.smoke else LINEAR):
             r = run(exe, ["linear", table, M, K, N, 1 if a.smoke else a.rounds], threads)[0]
             res["linear"].append({"shape": f"{M} x {K} x {N}", "base_GFLOPs": float(r[4]), "new_GFLOPs": float(r[5]),
                                   "ratio": float(r[6])})
-        for mean in (() if a.smoke else (1, 4, 8)):
-            for r in run(exe, ["experts", table, mean, 2 * a.rounds], threads):
-                res["experts"].append({"mean_rows": mean, "base_ms": float(r[2]), "new_ms": float(r[3]),
-                                       "probes": [float(r[4]), float(r[5])]})
+        for mode in ("experts", "experts_bf16"):
+            for mean in (() if a.smoke else (1, 4, 8)):
+                for r in run(exe, [mode, table, mean, 2 * a.rounds], threads):
+                    res[mode].append({"mean_rows": mean, "base_ms": float(r[2]), "new_ms": float(r[3]),
+                                      "probes": [float(r[4]), float(r[5])]})
     hot = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
            for h in res["hot"]]
+    hot_bf16 = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
+                for h in res["hot_bf16"]]
     lin = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"] for x in res["linear"]]
     exp = []
-    for mean in sorted({e["mean_rows"] for e in res["experts"]}):
-        for state, keep in (("fast", lambda p: min(p) >= FAST), ("slow", lambda p: max(p) < FAST)):
-            got = [e for e in res["experts"] if e["mean_rows"] == mean and keep(e["probes"])]
-            if got:
-                exp.append([mean, state, len(got), f"{statistics.median(e['base_ms'] for e in got):.1f}",
-                            f"{statistics.median(e['new_ms'] for e in got):.1f}",
-                            f"{statistics.median(e['base_ms'] / e['new_ms'] for e in got):.3f}x"])
-    md = [f"# The {table} table against itself at {a.base} ({meta['date']})", "",
+    for mode, dtype in (("experts", "fp32"), ("experts_bf16", "bf16")):
+        for mean in sorted({e["mean_rows"] for e in res[mode]}):
+            for state, keep in (("fast", lambda p: min(p) >= FAST), ("slow", lambda p: max(p) < FAST)):
+                got = [e for e in res[mode] if e["mean_rows"] == mean and keep(e["probes"])]
+                if got:
+                    exp.append([dtype, mean, state, len(got), f"{statistics.median(e['base_ms'] for e in got):.1f}",
+                                f"{statistics.median(e['new_ms'] for e in got):.1f}",
+                                f"{statistics.median(e['base_ms'] / e['new_ms'] for e in got):.3f}x"])
+    ref = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base], capture_output=True, text=True)
+    base = f"{a.base} ({ref.stdout.strip()})" if ref.returncode == 0 and ref.stdout.strip() != a.base else a.base
+    md = [f"# The {table} table against itself at {base} ({meta['date']})", "",
           f"{meta['cpu']}; {threads} threads (hot: one); `benchmarks/table_ab.py`: both builds in one process, "
           "alternated, every output equal byte for byte between them. new / base: the median of the "
           "samples' speed ratios (> 1: the working tree is faster).", "",
           "Hot: four panels in L2, per row count, GFLOP/s (best sample).", "",
           md_table(["rows", "K", "base", "new", "new / base"], hot), "",
+          "Hot in bf16 x bf16: two 64-column panels (in L2), per row count, GFLOP/s (best sample).", "",
+          md_table(["rows", "K", "base", "new", "new / base"], hot_bf16), "",
           "Whole fp32 linears with weight groups, GFLOP/s (best sample).", "",
           md_table(["M x K x N", "base", "new", "new / base"], lin), ""]
     if exp:
-        md += ["The experts' two decode stages, 128 cold experts, rows an expert ~ Poisson(mean); ms, "
-               f"medians per bus state (fast: both probes >= {FAST:.0f} GB/s).", "",
-               md_table(["mean rows", "bus", "samples", "base ms", "new ms", "new / base"], exp), ""]
+        md += ["The experts' two decode stages, 128 cold experts (weights on 2 MB pages), rows an expert "
+               "~ Poisson(mean), fp32 on weight groups and bf16 x bf16 in place; ms, medians per bus state "
+               f"(fast: both probes >= {FAST:.0f} GB/s).", "",
+               md_table(["dtype", "mean rows", "bus", "samples", "base ms", "new ms", "new / base"], exp), ""]
     text = "\n".join(md)
     print(text)
     if not a.smoke:
-        write_record(a.out, "table_ab", text, {"meta": meta, "base": a.base, "table": table, "threads": threads,
+        write_record(a.out, "table_ab", text, {"meta": meta, "base": base, "table": table, "threads": threads,
                                                "results": res})
     return res
 

@@ -1,17 +1,24 @@
 // Two builds of one kernel table in one process: "base" (kernels/csrc of a git ref, compiled
 // with its names renamed: benchmarks/table_ab.py) and "new" (the working tree), the fp32 linear
-// (Kernels::linear_panel with weight groups, pack_lanes) timed alternately, every output compared
-// byte for byte between the builds. benchmarks/table_ab.py builds and runs it.
+// (Kernels::linear_panel with weight groups, pack_lanes) and the bf16 x bf16 one
+// (Kernels::linear_panel_bf16, the pair chains) timed alternately, every output compared byte
+// for byte between the builds. benchmarks/table_ab.py builds and runs it.
 //   hot <table> <K> [rounds]          one thread, 4 panels (512 KB at K = 2048, in L2), per row count
+//   hot_bf16 <table> <K> [rounds]     the same in bf16 x bf16: two 64-column panels (512 KB at K = 2048)
 //   linear <table> <M> <K> <N> [rounds]   a whole linear, tasks (256-row block, panel) split as
 //                                     tk.linear splits them, each thread packing its blocks
 //   experts <table> <mean rows> [rounds]  the fp32 experts' two stages (gate_up K 2048 N 1536,
-//                                     down K 768 N 2048) over 128 cold experts, rows an expert
-//                                     drawn from Poisson(mean), a read probe around each sample
-// <table>: avx512bf16 or avx2. Output lines "hot|R|K|base_GFLOPs|new_GFLOPs|median_ratio|same",
-// "linear|M|K|N|base|new|median_ratio|same", "experts|mean|base_ms|new_ms|probe0|probe1|same"
-// (one per sample), then "done"; "unsupported|why" where this CPU has no such table.
+//                                     down K 768 N 2048) over 128 cold experts (weights on 2 MB
+//                                     pages, as a model's), rows an expert drawn from
+//                                     Poisson(mean), a read probe around each sample
+//   experts_bf16 <table> <mean rows> [rounds]  the same stages in bf16 x bf16 (64-column
+//                                     panels, weights read in place)
+// <table>: avx512bf16 or avx2. Output lines "hot|R|K|base_GFLOPs|new_GFLOPs|median_ratio|same"
+// (hot and hot_bf16), "linear|M|K|N|base|new|median_ratio|same",
+// "experts|mean|base_ms|new_ms|probe0|probe1|same" (experts and experts_bf16, one per sample),
+// then "done"; "unsupported|why" where this CPU has no such table.
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,6 +61,21 @@ std::vector<float> filled(int64_t n, uint64_t mul) {
   std::vector<float> v(n);
   for (int64_t i = 0; i < n; ++i) v[i] = float((uint64_t(i) * mul >> 7) % 2001) / 1000.f - 1.f;
   return v;
+}
+
+// A copy of v on 2 MB pages where the kernel grants them (madvise, as tk.on_huge_pages puts a
+// model's weights): with 4 KB pages every 4 KB weight row of the experts is a TLB miss.
+template <class T>
+std::unique_ptr<T, decltype(&std::free)> on_huge_pages(const std::vector<T>& v) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t bytes = (v.size() * sizeof(T) + kHuge - 1) / kHuge * kHuge;
+  T* p = static_cast<T*>(std::aligned_alloc(kHuge, bytes));
+  if (!p) std::abort();
+#ifdef MADV_HUGEPAGE
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  std::memcpy(p, v.data(), v.size() * sizeof(T));
+  return {p, &std::free};
 }
 
 double median(std::vector<double> v) {
@@ -155,6 +178,9 @@ int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
   struct Stage { int64_t K, N; std::vector<float> w, g; };
   Stage st[2] = {{2048, 1536, {}, {}}, {768, 2048, {}, {}}};
   for (Stage& s : st) s.w = filled(E * s.N * s.K, 2654435761ull), s.g = groups_of(s.w, E * s.N, s.K);
+  const auto w0 = on_huge_pages(st[0].w), g0 = on_huge_pages(st[0].g), w1 = on_huge_pages(st[1].w), g1 = on_huge_pages(st[1].g);
+  const float* const wh[2] = {w0.get(), w1.get()};
+  const float* const gh[2] = {g0.get(), g1.get()};
   const std::vector<float> x = filled(r0[E] * 2048, 40503ull);
   std::vector<float> out[2][2];
   for (int v = 0; v < 2; ++v)
@@ -178,7 +204,7 @@ int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
             const int64_t p = task % np;
             const float* xe = x.data() + r0[ex] * K;
             if (packed != ex) t[v]->pack_lanes(xe, K, rows[ex], kc, kChunks, xl.data()), packed = ex;
-            panels(t[v], xe, rows[ex], K, st[s].w.data() + ex * N * K, st[s].g.data() + ex * N * K, N, p, p + 1,
+            panels(t[v], xe, rows[ex], K, wh[s] + ex * N * K, gh[s] + ex * N * K, N, p, p + 1,
                    out[v][s].data() + r0[ex] * N, scratch, xl.data());
           }
         }
@@ -192,11 +218,117 @@ int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
   }
   return 0;
 }
+
+// bf16 (round to nearest even) of the fp32 values v.
+std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    b[i] = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return b;
+}
+
+// The experts' two stages in bf16 x bf16, as moe_experts runs them: (expert, 64-column panel)
+// tasks split in contiguous halves, each expert's rows packed in row pairs where the table
+// reads them so (Kernels::pack_pairs), weights in place (no bf16 weight groups).
+int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
+  const int E = 128;
+  constexpr int64_t PW = tonp::kPanelPairs;
+  std::mt19937 rng(1);
+  std::poisson_distribution<int> draw(mean);
+  std::vector<int> rows(E), used;
+  std::vector<int64_t> r0(E + 1, 0);
+  int64_t maxr = 1;
+  for (int e = 0; e < E; ++e) {
+    rows[e] = draw(rng), r0[e + 1] = r0[e] + rows[e], maxr = std::max<int64_t>(maxr, rows[e]);
+    if (rows[e]) used.push_back(e);
+  }
+  struct Stage { int64_t K, N; std::vector<uint16_t> w; };
+  Stage st[2] = {{2048, 1536, {}}, {768, 2048, {}}};  // chunks of 256 and 96: multiples of 16, no padding
+  for (Stage& s : st) s.w = bf16_of(filled(E * s.N * s.K, 2654435761ull));
+  const auto w0 = on_huge_pages(st[0].w), w1 = on_huge_pages(st[1].w);
+  const uint16_t* const wh[2] = {w0.get(), w1.get()};
+  const std::vector<uint16_t> x = bf16_of(filled(r0[E] * 2048, 40503ull));
+  std::vector<uint16_t> out[2][2];
+  for (int v = 0; v < 2; ++v)
+    for (int s = 0; s < 2; ++s) out[v][s].assign(r0[E] * st[s].N, 0);
+  std::vector<std::pair<double, double>> ms(rounds);
+  for (int it = 0; it < rounds; ++it) {
+    const double p0 = probe();
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+      for (int s = 0; s < 2; ++s) {
+        const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / PW, ntask = int64_t(used.size()) * np;
+#pragma omp parallel
+        {
+          const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+          const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+          std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, maxr) + 64);
+          std::vector<uint16_t> xp(2 * tonp::pairs_floats(maxr, kChunks, kc) + 64);
+          int packed = -1;
+          for (int64_t task = b; task < e; ++task) {
+            const int ex = used[task / np];
+            const int64_t p = task % np;
+            const uint16_t* xe = x.data() + r0[ex] * K;
+            const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows[ex], kc);
+            if (pairs && packed != ex) t[v]->pack_pairs(xe, K, kc, rows[ex], kChunks, xp.data()), packed = ex;
+            t[v]->linear_panel_bf16(xe, K, kc, rows[ex], wh[s] + (ex * N + p * PW) * K, K, kc, kChunks, nullptr,
+                                    int(PW), out[v][s].data() + r0[ex] * N + p * PW, N, Elem::BF16, scratch.data(),
+                                    pairs ? xp.data() : nullptr, nullptr);
+          }
+        }
+      }
+      (v == 0 ? ms[it].first : ms[it].second) = 1e3 * seconds_since(t0);
+    }
+    const double p1 = probe();
+    const bool same = out[0][0] == out[1][0] && out[0][1] == out[1][1];
+    std::printf("experts|%.1f|%.3f|%.3f|%.1f|%.1f|%d\n", mean, ms[it].first, ms[it].second, p0, p1, int(same));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+// hot in bf16 x bf16: one thread, two 64-column panels (512 KB at K = 2048, in L2), per row count.
+int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
+  constexpr int64_t PW = tonp::kPanelPairs;
+  const int64_t N = 2 * PW, kc = K / kChunks;
+  const std::vector<uint16_t> w = bf16_of(filled(N * K, 2654435761ull));
+  for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16}) {
+    const std::vector<uint16_t> x = bf16_of(filled(R * K, 40503ull));
+    std::vector<uint16_t> out[2] = {std::vector<uint16_t>(R * N), std::vector<uint16_t>(R * N)};
+    std::vector<uint16_t> xp(2 * tonp::pairs_floats(R, kChunks, kc) + 64);
+    std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, R) + 64);
+    std::vector<double> s[2];
+    const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
+    for (int it = 0; it < rounds; ++it)
+      for (int v = 0; v < 2; ++v) {
+        const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(R, kc);
+        const auto t0 = Clock::now();
+        for (int r = 0; r < reps; ++r) {
+          if (pairs) t[v]->pack_pairs(x.data(), K, kc, R, kChunks, xp.data());
+          for (int64_t p = 0; p < N / PW; ++p)
+            t[v]->linear_panel_bf16(x.data(), K, kc, R, w.data() + p * PW * K, K, kc, kChunks, nullptr, int(PW),
+                                    out[v].data() + p * PW, N, Elem::BF16, scratch.data(), pairs ? xp.data() : nullptr,
+                                    nullptr);
+        }
+        s[v].push_back(seconds_since(t0) / reps);
+      }
+    std::vector<double> ratio;
+    for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
+    const double flop = 2.0 * R * K * N;
+    std::printf("hot|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(R), long(K), flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9,
+                flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9, median(ratio), int(out[0] == out[1]));
+    std::fflush(stdout);
+  }
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s hot|linear|experts <table> args...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s hot|hot_bf16|linear|experts|experts_bf16 <table> args...\n", argv[0]);
     return 2;
   }
   const std::string mode = argv[1], table = argv[2];
@@ -216,9 +348,11 @@ int main(int argc, char** argv) {
   const int last = argc - 1;
   int rc = 2;
   if (mode == "hot") rc = hot(t, std::atol(argv[3]), argc > 4 ? std::atoi(argv[last]) : 9);
+  if (mode == "hot_bf16") rc = hot_bf16(t, std::atol(argv[3]), argc > 4 ? std::atoi(argv[last]) : 9);
   if (mode == "linear" && argc >= 6)
     rc = linear(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
   if (mode == "experts") rc = experts(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
+  if (mode == "experts_bf16") rc = experts_bf16(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
   std::printf("done\n");
   return rc;
 }

@@ -162,7 +162,8 @@ def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
         want = pair_linear_reference(x, w, bias, out_dtype=out)
         # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, a last odd row of 3,
         # 5 or 7 paired with a zero row, a lone one (1, 9, 17 ...) alone;
-        # emulated: tiles of 2, one row 8 columns wide), lane passes (on vdpbf16ps from 48 rows,
+        # emulated: tiles of 2 rows and an odd one over four columns at a time, sharing the
+        # fetch of the next four; one row 8 columns wide), lane passes (on vdpbf16ps from 48 rows,
         # from 24 when kc <= 96: tiles of 3 and 2 rows over pairs of 16-column groups, an odd
         # group over tiles of 5 and 4; 97 and 98 end on a 96-row block and a block of one or two
         # rows; emulated from 20)
