@@ -11,14 +11,16 @@ linked beside the working tree's (benchmarks/table_ab_bench.cpp), so both run in
 alternated, on the same data; every output is compared byte for byte between the two builds.
 Three measurements:
   * hot: one thread, four 16-column panels (in L2), per row count 1-256, K = 2048 and 768; the
-    same for bf16 x bf16 (`linear_panel_bf16`, two 64-column panels, 1-16 rows);
+    same for bf16 x bf16 (`linear_panel_bf16`, two 64-column panels, 1-256 rows);
   * linear: whole fp32 linears with weight groups on OMP_NUM_THREADS threads (the attention
-    projections' and an expert's prefill shapes), tasks split as tk.linear splits them;
+    projections' and an expert's prefill shapes), tasks split as tk.linear splits them; whole
+    bf16 x bf16 linears at a decode batch's 64 rows (projections, LM head) and 256;
   * experts: the experts' two decode stages over 128 cold experts (30B-A3B shapes, weights on
     2 MB pages as a model's), rows an expert drawn from Poisson(1, 4, 8), a read probe around
     each sample; ratios per bus state (fast: both probes at 45 GB/s or more); in fp32
     (`linear_panel` on weight groups) and in bf16 x bf16 (`linear_panel_bf16`'s pair chains).
-Refuses a base whose kernels/csrc/kernels.h differs from the working tree's (the table layouts
+Refuses a base whose kernels/csrc/kernels.h code (comments aside) differs from the working
+tree's (the table layouts
 could differ). Writes benchmarks/results/table_ab.{md,json} (`table_ab_<machine>` for another
 machine's run); --smoke writes nothing.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,14 @@ RENAMES = ["-Dtonp_avx512bf16=tonp_base_avx512bf16_ns", "-Dkernels_avx512bf16=ke
            "-Dtonp_avx2=tonp_base_avx2_ns", "-Dkernels_avx2=kernels_base_avx2",
            "-Dcpu_has_avx2_fma=cpu_has_avx2_fma_base"]
 LINEAR = [(4096, 2048, 4096), (4096, 2048, 512), (256, 2048, 1536), (256, 768, 2048)]
+# bf16 x bf16: a decode batch's attention projections and LM head (64 rows), an expert's prefill.
+LINEAR_BF16 = [(64, 2048, 4096), (64, 4096, 2048), (64, 2048, 16384), (256, 768, 2048)]
+
+
+def _code(path: Path) -> str:
+    """A C++ header's code: line comments dropped and whitespace collapsed (a comment never
+    changes a layout)."""
+    return " ".join(re.sub(r"//.*", "", path.read_text()).split())
 
 
 def build(base: str, out: Path) -> Path:
@@ -53,7 +64,7 @@ def build(base: str, out: Path) -> Path:
         raise SystemExit(f"table_ab: --base {base!r} gives no kernels/csrc: {tar.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(src)], input=tar.stdout, check=True)
     here = REPO / "kernels" / "csrc"
-    if (src / "kernels" / "csrc" / "kernels.h").read_bytes() != (here / "kernels.h").read_bytes():
+    if _code(src / "kernels" / "csrc" / "kernels.h") != _code(here / "kernels.h"):
         raise SystemExit(f"table_ab: kernels/csrc/kernels.h differs between {base} and the working tree; "
                          "the two tables' layouts may differ, so they cannot share one harness")
     units = [(src / "kernels" / "csrc" / f"isa_{n}.cpp", RENAMES, f"base_{n}.o") for n in ("avx512bf16", "avx2")]
@@ -98,7 +109,7 @@ def main(argv=None) -> dict:
     table = a.table or ("avx512bf16" if tk.isa() == "avx512bf16" else "avx2")
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     meta = machine_meta()
-    res = {"hot": [], "hot_bf16": [], "linear": [], "experts": [], "experts_bf16": []}
+    res = {"hot": [], "hot_bf16": [], "linear": [], "linear_bf16": [], "experts": [], "experts_bf16": []}
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(a.base, Path(tmp))
         for K in ((256,) if a.smoke else (2048, 768)):
@@ -110,9 +121,10 @@ def main(argv=None) -> dict:
             got = run(exe, ["hot_bf16", table, K, 1 if a.smoke else a.rounds], 1)
             res["hot_bf16"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]),
                                  "new_GFLOPs": float(r[4]), "ratio": float(r[5])} for r in got]
-        for M, K, N in ([(64, 256, 64)] if a.smoke else LINEAR):
-            r = run(exe, ["linear", table, M, K, N, 1 if a.smoke else a.rounds], threads)[0]
-            res["linear"].append({"shape": f"{M} x {K} x {N}", "base_GFLOPs": float(r[4]), "new_GFLOPs": float(r[5]),
+        for mode, shapes in (("linear", LINEAR), ("linear_bf16", LINEAR_BF16)):
+            for M, K, N in ([(64, 256, 64)] if a.smoke else shapes):
+                r = run(exe, [mode, table, M, K, N, 1 if a.smoke else a.rounds], threads)[0]
+                res[mode].append({"shape": f"{M} x {K} x {N}", "base_GFLOPs": float(r[4]), "new_GFLOPs": float(r[5]),
                                   "ratio": float(r[6])})
         for mode in ("experts", "experts_bf16"):
             for mean in (() if a.smoke else (1, 4, 8)):
@@ -124,6 +136,8 @@ def main(argv=None) -> dict:
     hot_bf16 = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
                 for h in res["hot_bf16"]]
     lin = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"] for x in res["linear"]]
+    lin_bf16 = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"]
+                for x in res["linear_bf16"]]
     exp = []
     for mode, dtype in (("experts", "fp32"), ("experts_bf16", "bf16")):
         for mean in sorted({e["mean_rows"] for e in res[mode]}):
@@ -144,7 +158,9 @@ def main(argv=None) -> dict:
           "Hot in bf16 x bf16: two 64-column panels (in L2), per row count, GFLOP/s (best sample).", "",
           md_table(["rows", "K", "base", "new", "new / base"], hot_bf16), "",
           "Whole fp32 linears with weight groups, GFLOP/s (best sample).", "",
-          md_table(["M x K x N", "base", "new", "new / base"], lin), ""]
+          md_table(["M x K x N", "base", "new", "new / base"], lin), "",
+          "Whole bf16 x bf16 linears (weights in place), GFLOP/s (best sample).", "",
+          md_table(["M x K x N", "base", "new", "new / base"], lin_bf16), ""]
     if exp:
         md += ["The experts' two decode stages, 128 cold experts (weights on 2 MB pages), rows an expert "
                "~ Poisson(mean), fp32 on weight groups and bf16 x bf16 in place; ms, medians per bus state "

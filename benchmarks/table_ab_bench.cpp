@@ -7,6 +7,8 @@
 //   hot_bf16 <table> <K> [rounds]     the same in bf16 x bf16: two 64-column panels (512 KB at K = 2048)
 //   linear <table> <M> <K> <N> [rounds]   a whole linear, tasks (256-row block, panel) split as
 //                                     tk.linear splits them, each thread packing its blocks
+//   linear_bf16 <table> <M> <K> <N> [rounds]  the same in bf16 x bf16 (tasks of bf16_row_block
+//                                     rows by 64 columns, weights in place)
 //   experts <table> <mean rows> [rounds]  the fp32 experts' two stages (gate_up K 2048 N 1536,
 //                                     down K 768 N 2048) over 128 cold experts (weights on 2 MB
 //                                     pages, as a model's), rows an expert drawn from
@@ -14,7 +16,7 @@
 //   experts_bf16 <table> <mean rows> [rounds]  the same stages in bf16 x bf16 (64-column
 //                                     panels, weights read in place)
 // <table>: avx512bf16 or avx2. Output lines "hot|R|K|base_GFLOPs|new_GFLOPs|median_ratio|same"
-// (hot and hot_bf16), "linear|M|K|N|base|new|median_ratio|same",
+// (hot and hot_bf16), "linear|M|K|N|base|new|median_ratio|same" (linear and linear_bf16),
 // "experts|mean|base_ms|new_ms|probe0|probe1|same" (experts and experts_bf16, one per sample),
 // then "done"; "unsupported|why" where this CPU has no such table.
 #include <omp.h>
@@ -295,7 +297,7 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
   constexpr int64_t PW = tonp::kPanelPairs;
   const int64_t N = 2 * PW, kc = K / kChunks;
   const std::vector<uint16_t> w = bf16_of(filled(N * K, 2654435761ull));
-  for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16}) {
+  for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 64, 256}) {
     const std::vector<uint16_t> x = bf16_of(filled(R * K, 40503ull));
     std::vector<uint16_t> out[2] = {std::vector<uint16_t>(R * N), std::vector<uint16_t>(R * N)};
     std::vector<uint16_t> xp(2 * tonp::pairs_floats(R, kChunks, kc) + 64);
@@ -324,11 +326,49 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
   }
   return 0;
 }
+// A whole bf16 x bf16 linear, (row block of bf16_row_block(M) rows, 64-column panel) tasks split
+// over the threads in contiguous shares as tk.linear splits them; weights read in place.
+int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N, int rounds) {
+  constexpr int64_t PW = tonp::kPanelPairs;
+  const int64_t kc = K / kChunks, np = (N + PW - 1) / PW, rb = tonp::bf16_row_block(M), nb = (M + rb - 1) / rb;
+  const std::vector<uint16_t> w = bf16_of(filled(N * K, 2654435761ull)), x = bf16_of(filled(M * K, 40503ull));
+  std::vector<uint16_t> out[2] = {std::vector<uint16_t>(M * N), std::vector<uint16_t>(M * N)};
+  std::vector<double> s[2];
+  for (int it = 0; it < rounds; ++it)
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+#pragma omp parallel
+      {
+        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+        std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, rb) + 64);
+        std::vector<uint16_t> xp(2 * tonp::pairs_floats(rb, kChunks, kc) + 64);
+        int64_t packed = -1;
+        for (int64_t task = b; task < e; ++task) {
+          const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
+          const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows, kc);
+          if (pairs && packed != blk) t[v]->pack_pairs(x.data() + r0 * K, K, kc, rows, kChunks, xp.data()), packed = blk;
+          t[v]->linear_panel_bf16(x.data() + r0 * K, K, kc, rows, w.data() + p * PW * K, K, kc, kChunks, nullptr,
+                                  int(std::min(PW, N - p * PW)), out[v].data() + r0 * N + p * PW, N, Elem::BF16,
+                                  scratch.data(), pairs ? xp.data() : nullptr, nullptr);
+        }
+      }
+      s[v].push_back(seconds_since(t0));
+    }
+  std::vector<double> ratio;
+  for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
+  const double flop = 2.0 * M * K * N;
+  std::printf("linear|%ld|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(M), long(K), long(N),
+              flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9, flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9,
+              median(ratio), int(out[0] == out[1]));
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s hot|hot_bf16|linear|experts|experts_bf16 <table> args...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s hot|hot_bf16|linear|linear_bf16|experts|experts_bf16 <table> args...\n", argv[0]);
     return 2;
   }
   const std::string mode = argv[1], table = argv[2];
@@ -351,6 +391,8 @@ int main(int argc, char** argv) {
   if (mode == "hot_bf16") rc = hot_bf16(t, std::atol(argv[3]), argc > 4 ? std::atoi(argv[last]) : 9);
   if (mode == "linear" && argc >= 6)
     rc = linear(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
+  if (mode == "linear_bf16" && argc >= 6)
+    rc = linear_bf16(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
   if (mode == "experts") rc = experts(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
   if (mode == "experts_bf16") rc = experts_bf16(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
   std::printf("done\n");

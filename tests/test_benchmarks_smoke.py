@@ -280,14 +280,18 @@ def test_peer_moe_says_not_installed_without_vllms_venv(tmp_path, monkeypatch, c
 @pytest.mark.timeout(300)
 def test_table_ab_links_two_builds_and_compares_their_bytes(tmp_path, capsys):
     """benchmarks/table_ab.py --smoke: HEAD's kernel table, renamed, and the working tree's link
-    into one executable and run the fp32 linear alternately (the bench raises if any output byte
-    differs between the builds); a CPU without the table measures nothing and says so. Writes
-    nothing under --smoke."""
+    into one executable and run the fp32 and bf16 x bf16 linears alternately (the bench raises if
+    any output byte differs between the builds); a CPU without the table measures nothing and
+    says so. Writes nothing under --smoke."""
     import subprocess
     import table_ab
-    edited = subprocess.run(["git", "-C", str(table_ab.REPO), "diff", "--quiet", "HEAD", "--",
-                             "kernels/csrc/kernels.h"]).returncode != 0
-    if edited:  # a working tree whose kernels.h differs from HEAD's: the refusal is the answer
+    head = subprocess.run(["git", "-C", str(table_ab.REPO), "show", "HEAD:kernels/csrc/kernels.h"],
+                          capture_output=True, text=True, check=True).stdout
+    (tmp_path / "head_kernels.h").write_text(head)
+    edited = table_ab._code(tmp_path / "head_kernels.h") != table_ab._code(
+        table_ab.REPO / "kernels" / "csrc" / "kernels.h")
+    (tmp_path / "head_kernels.h").unlink()
+    if edited:  # a working tree whose kernels.h code differs from HEAD's: the refusal is the answer
         with pytest.raises(SystemExit, match="kernels.h differs"):
             table_ab.main(["--smoke", "--out", str(tmp_path)])
         return
@@ -301,6 +305,9 @@ def test_table_ab_links_two_builds_and_compares_their_bytes(tmp_path, capsys):
     assert all(h["base_GFLOPs"] > 0 and h["new_GFLOPs"] > 0 for h in res["hot"])
     assert [x["shape"] for x in res["linear"]] == ["64 x 256 x 64"]
     assert "| 64 x 256 x 64 |" in out
+    assert [h["rows"] for h in res["hot_bf16"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 64, 256]
+    assert all(h["base_GFLOPs"] > 0 and h["new_GFLOPs"] > 0 for h in res["hot_bf16"])
+    assert [x["shape"] for x in res["linear_bf16"]] == ["64 x 256 x 64"]
 
 
 def test_table_ab_refuses_a_base_whose_table_layout_may_differ(tmp_path, monkeypatch):
@@ -313,12 +320,24 @@ def test_table_ab_refuses_a_base_whose_table_layout_may_differ(tmp_path, monkeyp
         if cmd[:2] == ["tar", "-x"]:
             real(cmd, *a, **kw)
             h = Path(cmd[3]) / "kernels" / "csrc" / "kernels.h"
-            h.write_text(h.read_text() + "\n// another layout\n")
+            h.write_text(h.read_text() + "\nstruct AnotherLayout { int field; };\n")
             return None
         return real(cmd, *a, **kw)
     monkeypatch.setattr(table_ab.subprocess, "run", fake_run)
     with pytest.raises(SystemExit, match="kernels.h differs"):
         table_ab.build("HEAD", tmp_path)
+
+
+def test_table_ab_compares_kernels_h_without_its_comments(tmp_path):
+    """A comment changes no layout: two headers that differ only in comments and spacing compare
+    equal; one more member does not."""
+    import table_ab
+    a, b, c = tmp_path / "a.h", tmp_path / "b.h", tmp_path / "c.h"
+    a.write_text("// the table\nstruct K {\n  int x;  // rows\n};\n")
+    b.write_text("// the table, reworded\nstruct K {\n    int x;\n};\n")
+    c.write_text("struct K {\n  int x;\n  int y;\n};\n")
+    assert table_ab._code(a) == table_ab._code(b)
+    assert table_ab._code(a) != table_ab._code(c)
 
 
 def test_table_ab_names_a_bad_ref_and_bad_rounds(tmp_path):
