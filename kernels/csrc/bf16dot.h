@@ -218,10 +218,10 @@ static inline void pair_dot_row(const uint16_t* x, int64_t xkc, const uint16_t* 
 // rows, one line of each every 2T blocks, spread over its arithmetic (one tile over rows a page
 // or more apart fetches nothing, as one row). Before, each row tile ran over all the panel's
 // columns and only the first tile's pass read memory: the later tiles computed on cached weights
-// while the bus idled. Measured on the AMD EPYC (Zen 3, AVX2) with benchmarks/table_ab.py, the
-// experts' two stages (128 cold experts, 2 threads, rows an expert ~ Poisson): 1.22x at a mean
-// of 4 rows, 1.20x at 8, level at 1; hot (one thread, weights in L2) 0.90-0.95x at 3-16 rows
-// and K = 2048, 1.02-1.09x at K = 768. Not kept: every tile over one chunk at a time (the weight
+// while the bus idled. Measured on the AMD EPYC (Zen 3, AVX2) with benchmarks/table_ab.py
+// (table_ab_amd_epyc_avx2.md), the experts' two stages (128 cold experts, 2 threads, rows an
+// expert ~ Poisson): 1.20x at a mean of 4 and of 8 rows, level at 1; hot (one thread, weights in
+// L2) 0.89-1.00x at K = 2048, 1.01-1.09x at K = 768. Not kept: every tile over one chunk at a time (the weight
 // rows read 512 bytes at a time, which the hardware prefetchers follow worse: 0.6-0.8x hot, no
 // faster cold), only the first tile fetching the next columns (1.04-1.06x cold), groups of
 // eight columns with the odd row in a 1 x 8 tile (level with four).
