@@ -85,6 +85,32 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Seconds of f(v) (v = 0: base, 1: new) over `rounds` rounds, both builds each round, base first
+// or, with swap, the order swapped every other round.
+template <class F>
+std::vector<std::vector<double>> alternated(int rounds, bool swap, F&& f) {
+  std::vector<std::vector<double>> s(2);
+  for (int it = 0; it < rounds; ++it)
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = swap && it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+      f(v);
+      s[v].push_back(seconds_since(t0));
+    }
+  return s;
+}
+
+// "base_GFLOPs|new_GFLOPs|median_ratio" of `flop` per sample (best samples; the median of the
+// rounds' base / new time ratios).
+std::string rates(double flop, const std::vector<std::vector<double>>& s) {
+  std::vector<double> ratio;
+  for (size_t it = 0; it < s[0].size(); ++it) ratio.push_back(s[0][it] / s[1][it]);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.1f|%.1f|%.3f", flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9,
+                flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9, median(ratio));
+  return buf;
+}
+
 // rows [0, rows) of x times panels [p0, p1) of a grouped W, with table k; xl: x lane-packed.
 void panels(const tonp::Kernels* k, const float* x, int64_t rows, int64_t K, const float* w, const float* g, int64_t N,
             int64_t p0, int64_t p1, float* out, std::vector<float>& scratch, const float* xl) {
@@ -102,19 +128,11 @@ int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
     std::vector<float> out[2] = {std::vector<float>(R * N), std::vector<float>(R * N)}, xl(R * K + 64);
     std::vector<float> scratch(tonp::linear_scratch(kChunks, K, R, Elem::F32, 32, true) + 64);
     t[0]->pack_lanes(x.data(), K, R, kc, kChunks, xl.data());
-    std::vector<double> s[2];
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
-    for (int it = 0; it < rounds; ++it)
-      for (int v = 0; v < 2; ++v) {
-        const auto t0 = Clock::now();
-        for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl.data());
-        s[v].push_back(seconds_since(t0) / reps);
-      }
-    std::vector<double> ratio;
-    for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
-    const double flop = 2.0 * R * K * N;
-    std::printf("hot|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(R), long(K), flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9,
-                flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9, median(ratio), int(out[0] == out[1]));
+    const auto s = alternated(rounds, false, [&](int v) {
+      for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl.data());
+    });
+    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(), int(out[0] == out[1]));
     std::fflush(stdout);
   }
   return 0;
@@ -124,31 +142,22 @@ int linear(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N, int
   const int64_t kc = K / kChunks, np = N / kPanel, rb = 256, nb = (M + rb - 1) / rb;
   const std::vector<float> w = filled(N * K, 2654435761ull), g = groups_of(w, N, K), x = filled(M * K, 40503ull);
   std::vector<float> out[2] = {std::vector<float>(M * N), std::vector<float>(M * N)};
-  std::vector<double> s[2];
-  for (int it = 0; it < rounds; ++it)
-    for (int v0 = 0; v0 < 2; ++v0) {
-      const int v = it % 2 ? 1 - v0 : v0;
-      const auto t0 = Clock::now();
+  const auto s = alternated(rounds, true, [&](int v) {
 #pragma omp parallel
-      {
-        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-        std::vector<float> scratch(tonp::linear_scratch(kChunks, K, rb, Elem::F32, 32, true) + 64), xl(rb * K + 64);
-        int64_t packed = -1;
-        for (int64_t task = b; task < e; ++task) {
-          const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
-          if (packed != blk) t[v]->pack_lanes(x.data() + r0 * K, K, rows, kc, kChunks, xl.data()), packed = blk;
-          panels(t[v], x.data() + r0 * K, rows, K, w.data(), g.data(), N, p, p + 1, out[v].data() + r0 * N, scratch, xl.data());
-        }
+    {
+      const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+      std::vector<float> scratch(tonp::linear_scratch(kChunks, K, rb, Elem::F32, 32, true) + 64), xl(rb * K + 64);
+      int64_t packed = -1;
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
+        if (packed != blk) t[v]->pack_lanes(x.data() + r0 * K, K, rows, kc, kChunks, xl.data()), packed = blk;
+        panels(t[v], x.data() + r0 * K, rows, K, w.data(), g.data(), N, p, p + 1, out[v].data() + r0 * N, scratch, xl.data());
       }
-      s[v].push_back(seconds_since(t0));
     }
-  std::vector<double> ratio;
-  for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
-  const double flop = 2.0 * M * K * N;
-  std::printf("linear|%ld|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(M), long(K), long(N),
-              flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9, flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9,
-              median(ratio), int(out[0] == out[1]));
+  });
+  std::printf("linear|%ld|%ld|%ld|%s|%d\n", long(M), long(K), long(N), rates(2.0 * M * K * N, s).c_str(),
+              int(out[0] == out[1]));
   return 0;
 }
 
@@ -166,17 +175,52 @@ double probe() {
   return best;
 }
 
-int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
-  const int E = 128;
+// Rows an expert drawn from Poisson(mean) (seed 1): each expert's rows and first sorted row, the
+// experts with any, the most rows.
+struct Routing {
+  std::vector<int> rows, used;
+  std::vector<int64_t> r0;
+  int64_t maxr = 1;
+};
+Routing poisson_rows(int E, double mean) {
   std::mt19937 rng(1);
   std::poisson_distribution<int> draw(mean);
-  std::vector<int> rows(E), used;
-  std::vector<int64_t> r0(E + 1, 0);
-  int64_t maxr = 1;
+  Routing rt;
+  rt.rows.resize(E), rt.r0.assign(E + 1, 0);
   for (int e = 0; e < E; ++e) {
-    rows[e] = draw(rng), r0[e + 1] = r0[e] + rows[e], maxr = std::max<int64_t>(maxr, rows[e]);
-    if (rows[e]) used.push_back(e);
+    rt.rows[e] = draw(rng), rt.r0[e + 1] = rt.r0[e] + rt.rows[e], rt.maxr = std::max<int64_t>(rt.maxr, rt.rows[e]);
+    if (rt.rows[e]) rt.used.push_back(e);
   }
+  return rt;
+}
+
+// `rounds` samples of run(v) for both builds (v = 0: base, 1: new), the order swapped every
+// other round, a read probe before and after each: "experts|mean|base_ms|new_ms|probe0|probe1|
+// same" (same(): the two builds' outputs equal).
+template <class F, class S>
+void expert_samples(double mean, int rounds, F&& run, S&& same) {
+  for (int it = 0; it < rounds; ++it) {
+    const double p0 = probe();
+    double ms[2];
+    for (int v0 = 0; v0 < 2; ++v0) {
+      const int v = it % 2 ? 1 - v0 : v0;
+      const auto t0 = Clock::now();
+      run(v);
+      ms[v] = 1e3 * seconds_since(t0);
+    }
+    const double p1 = probe();
+    std::printf("experts|%.1f|%.3f|%.3f|%.1f|%.1f|%d\n", mean, ms[0], ms[1], p0, p1, int(same()));
+    std::fflush(stdout);
+  }
+}
+
+int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
+  const int E = 128;
+  const Routing rt = poisson_rows(E, mean);
+  const std::vector<int>& rows = rt.rows;
+  const std::vector<int>& used = rt.used;
+  const std::vector<int64_t>& r0 = rt.r0;
+  const int64_t maxr = rt.maxr;
   struct Stage { int64_t K, N; std::vector<float> w, g; };
   Stage st[2] = {{2048, 1536, {}, {}}, {768, 2048, {}, {}}};
   for (Stage& s : st) s.w = filled(E * s.N * s.K, 2654435761ull), s.g = groups_of(s.w, E * s.N, s.K);
@@ -187,37 +231,26 @@ int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
   std::vector<float> out[2][2];
   for (int v = 0; v < 2; ++v)
     for (int s = 0; s < 2; ++s) out[v][s].assign(r0[E] * st[s].N, 0.f);
-  std::vector<std::pair<double, double>> ms(rounds);
-  for (int it = 0; it < rounds; ++it) {
-    const double p0 = probe();
-    for (int v0 = 0; v0 < 2; ++v0) {
-      const int v = it % 2 ? 1 - v0 : v0;
-      const auto t0 = Clock::now();
-      for (int s = 0; s < 2; ++s) {
-        const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / kPanel, ntask = int64_t(used.size()) * np;
+  expert_samples(mean, rounds, [&](int v) {
+    for (int s = 0; s < 2; ++s) {
+      const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / kPanel, ntask = int64_t(used.size()) * np;
 #pragma omp parallel
-        {  // (expert, panel) tasks split in contiguous halves, as moe_experts' parallel_for splits them
-          const int th = omp_get_num_threads(), tid = omp_get_thread_num();
-          const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-          std::vector<float> scratch(tonp::linear_scratch(kChunks, K, maxr, Elem::F32, 32, true) + 64), xl(maxr * K + 64);
-          int packed = -1;
-          for (int64_t task = b; task < e; ++task) {
-            const int ex = used[task / np];
-            const int64_t p = task % np;
-            const float* xe = x.data() + r0[ex] * K;
-            if (packed != ex) t[v]->pack_lanes(xe, K, rows[ex], kc, kChunks, xl.data()), packed = ex;
-            panels(t[v], xe, rows[ex], K, wh[s] + ex * N * K, gh[s] + ex * N * K, N, p, p + 1,
-                   out[v][s].data() + r0[ex] * N, scratch, xl.data());
-          }
+      {  // (expert, panel) tasks split in contiguous halves, as moe_experts' parallel_for splits them
+        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+        std::vector<float> scratch(tonp::linear_scratch(kChunks, K, maxr, Elem::F32, 32, true) + 64), xl(maxr * K + 64);
+        int packed = -1;
+        for (int64_t task = b; task < e; ++task) {
+          const int ex = used[task / np];
+          const int64_t p = task % np;
+          const float* xe = x.data() + r0[ex] * K;
+          if (packed != ex) t[v]->pack_lanes(xe, K, rows[ex], kc, kChunks, xl.data()), packed = ex;
+          panels(t[v], xe, rows[ex], K, wh[s] + ex * N * K, gh[s] + ex * N * K, N, p, p + 1,
+                 out[v][s].data() + r0[ex] * N, scratch, xl.data());
         }
       }
-      (v == 0 ? ms[it].first : ms[it].second) = 1e3 * seconds_since(t0);
     }
-    const double p1 = probe();
-    const bool same = out[0][0] == out[1][0] && out[0][1] == out[1][1];
-    std::printf("experts|%.1f|%.3f|%.3f|%.1f|%.1f|%d\n", mean, ms[it].first, ms[it].second, p0, p1, int(same));
-    std::fflush(stdout);
-  }
+  }, [&] { return out[0][0] == out[1][0] && out[0][1] == out[1][1]; });
   return 0;
 }
 
@@ -236,17 +269,13 @@ std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
 // tasks split in contiguous halves, each expert's rows packed in row pairs where the table
 // reads them so (Kernels::pack_pairs), weights in place (no bf16 weight groups).
 int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
-  const int E = 128;
   constexpr int64_t PW = tonp::kPanelPairs;
-  std::mt19937 rng(1);
-  std::poisson_distribution<int> draw(mean);
-  std::vector<int> rows(E), used;
-  std::vector<int64_t> r0(E + 1, 0);
-  int64_t maxr = 1;
-  for (int e = 0; e < E; ++e) {
-    rows[e] = draw(rng), r0[e + 1] = r0[e] + rows[e], maxr = std::max<int64_t>(maxr, rows[e]);
-    if (rows[e]) used.push_back(e);
-  }
+  const int E = 128;
+  const Routing rt = poisson_rows(E, mean);
+  const std::vector<int>& rows = rt.rows;
+  const std::vector<int>& used = rt.used;
+  const std::vector<int64_t>& r0 = rt.r0;
+  const int64_t maxr = rt.maxr;
   struct Stage { int64_t K, N; std::vector<uint16_t> w; };
   Stage st[2] = {{2048, 1536, {}}, {768, 2048, {}}};  // chunks of 256 and 96: multiples of 16, no padding
   for (Stage& s : st) s.w = bf16_of(filled(E * s.N * s.K, 2654435761ull));
@@ -256,40 +285,29 @@ int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
   std::vector<uint16_t> out[2][2];
   for (int v = 0; v < 2; ++v)
     for (int s = 0; s < 2; ++s) out[v][s].assign(r0[E] * st[s].N, 0);
-  std::vector<std::pair<double, double>> ms(rounds);
-  for (int it = 0; it < rounds; ++it) {
-    const double p0 = probe();
-    for (int v0 = 0; v0 < 2; ++v0) {
-      const int v = it % 2 ? 1 - v0 : v0;
-      const auto t0 = Clock::now();
-      for (int s = 0; s < 2; ++s) {
-        const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / PW, ntask = int64_t(used.size()) * np;
+  expert_samples(mean, rounds, [&](int v) {
+    for (int s = 0; s < 2; ++s) {
+      const int64_t K = st[s].K, N = st[s].N, kc = K / kChunks, np = N / PW, ntask = int64_t(used.size()) * np;
 #pragma omp parallel
-        {
-          const int th = omp_get_num_threads(), tid = omp_get_thread_num();
-          const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-          std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, maxr) + 64);
-          std::vector<uint16_t> xp(2 * tonp::pairs_floats(maxr, kChunks, kc) + 64);
-          int packed = -1;
-          for (int64_t task = b; task < e; ++task) {
-            const int ex = used[task / np];
-            const int64_t p = task % np;
-            const uint16_t* xe = x.data() + r0[ex] * K;
-            const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows[ex], kc);
-            if (pairs && packed != ex) t[v]->pack_pairs(xe, K, kc, rows[ex], kChunks, xp.data()), packed = ex;
-            t[v]->linear_panel_bf16(xe, K, kc, rows[ex], wh[s] + (ex * N + p * PW) * K, K, kc, kChunks, nullptr,
-                                    int(PW), out[v][s].data() + r0[ex] * N + p * PW, N, Elem::BF16, scratch.data(),
-                                    pairs ? xp.data() : nullptr, nullptr);
-          }
+      {
+        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+        std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, maxr) + 64);
+        std::vector<uint16_t> xp(2 * tonp::pairs_floats(maxr, kChunks, kc) + 64);
+        int packed = -1;
+        for (int64_t task = b; task < e; ++task) {
+          const int ex = used[task / np];
+          const int64_t p = task % np;
+          const uint16_t* xe = x.data() + r0[ex] * K;
+          const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows[ex], kc);
+          if (pairs && packed != ex) t[v]->pack_pairs(xe, K, kc, rows[ex], kChunks, xp.data()), packed = ex;
+          t[v]->linear_panel_bf16(xe, K, kc, rows[ex], wh[s] + (ex * N + p * PW) * K, K, kc, kChunks, nullptr,
+                                  int(PW), out[v][s].data() + r0[ex] * N + p * PW, N, Elem::BF16, scratch.data(),
+                                  pairs ? xp.data() : nullptr, nullptr);
         }
       }
-      (v == 0 ? ms[it].first : ms[it].second) = 1e3 * seconds_since(t0);
     }
-    const double p1 = probe();
-    const bool same = out[0][0] == out[1][0] && out[0][1] == out[1][1];
-    std::printf("experts|%.1f|%.3f|%.3f|%.1f|%.1f|%d\n", mean, ms[it].first, ms[it].second, p0, p1, int(same));
-    std::fflush(stdout);
-  }
+  }, [&] { return out[0][0] == out[1][0] && out[0][1] == out[1][1]; });
   return 0;
 }
 // hot in bf16 x bf16: one thread, two 64-column panels (512 KB at K = 2048, in L2), per row count.
@@ -302,26 +320,18 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
     std::vector<uint16_t> out[2] = {std::vector<uint16_t>(R * N), std::vector<uint16_t>(R * N)};
     std::vector<uint16_t> xp(2 * tonp::pairs_floats(R, kChunks, kc) + 64);
     std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, R) + 64);
-    std::vector<double> s[2];
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
-    for (int it = 0; it < rounds; ++it)
-      for (int v = 0; v < 2; ++v) {
-        const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(R, kc);
-        const auto t0 = Clock::now();
-        for (int r = 0; r < reps; ++r) {
-          if (pairs) t[v]->pack_pairs(x.data(), K, kc, R, kChunks, xp.data());
-          for (int64_t p = 0; p < N / PW; ++p)
-            t[v]->linear_panel_bf16(x.data(), K, kc, R, w.data() + p * PW * K, K, kc, kChunks, nullptr, int(PW),
-                                    out[v].data() + p * PW, N, Elem::BF16, scratch.data(), pairs ? xp.data() : nullptr,
-                                    nullptr);
-        }
-        s[v].push_back(seconds_since(t0) / reps);
+    const auto s = alternated(rounds, false, [&](int v) {
+      const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(R, kc);
+      for (int r = 0; r < reps; ++r) {
+        if (pairs) t[v]->pack_pairs(x.data(), K, kc, R, kChunks, xp.data());
+        for (int64_t p = 0; p < N / PW; ++p)
+          t[v]->linear_panel_bf16(x.data(), K, kc, R, w.data() + p * PW * K, K, kc, kChunks, nullptr, int(PW),
+                                  out[v].data() + p * PW, N, Elem::BF16, scratch.data(), pairs ? xp.data() : nullptr,
+                                  nullptr);
       }
-    std::vector<double> ratio;
-    for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
-    const double flop = 2.0 * R * K * N;
-    std::printf("hot|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(R), long(K), flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9,
-                flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9, median(ratio), int(out[0] == out[1]));
+    });
+    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(), int(out[0] == out[1]));
     std::fflush(stdout);
   }
   return 0;
@@ -333,35 +343,26 @@ int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N
   const int64_t kc = K / kChunks, np = (N + PW - 1) / PW, rb = tonp::bf16_row_block(M), nb = (M + rb - 1) / rb;
   const std::vector<uint16_t> w = bf16_of(filled(N * K, 2654435761ull)), x = bf16_of(filled(M * K, 40503ull));
   std::vector<uint16_t> out[2] = {std::vector<uint16_t>(M * N), std::vector<uint16_t>(M * N)};
-  std::vector<double> s[2];
-  for (int it = 0; it < rounds; ++it)
-    for (int v0 = 0; v0 < 2; ++v0) {
-      const int v = it % 2 ? 1 - v0 : v0;
-      const auto t0 = Clock::now();
+  const auto s = alternated(rounds, true, [&](int v) {
 #pragma omp parallel
-      {
-        const int th = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-        std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, rb) + 64);
-        std::vector<uint16_t> xp(2 * tonp::pairs_floats(rb, kChunks, kc) + 64);
-        int64_t packed = -1;
-        for (int64_t task = b; task < e; ++task) {
-          const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
-          const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows, kc);
-          if (pairs && packed != blk) t[v]->pack_pairs(x.data() + r0 * K, K, kc, rows, kChunks, xp.data()), packed = blk;
-          t[v]->linear_panel_bf16(x.data() + r0 * K, K, kc, rows, w.data() + p * PW * K, K, kc, kChunks, nullptr,
-                                  int(std::min(PW, N - p * PW)), out[v].data() + r0 * N + p * PW, N, Elem::BF16,
-                                  scratch.data(), pairs ? xp.data() : nullptr, nullptr);
-        }
+    {
+      const int th = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
+      std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, rb) + 64);
+      std::vector<uint16_t> xp(2 * tonp::pairs_floats(rb, kChunks, kc) + 64);
+      int64_t packed = -1;
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
+        const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows, kc);
+        if (pairs && packed != blk) t[v]->pack_pairs(x.data() + r0 * K, K, kc, rows, kChunks, xp.data()), packed = blk;
+        t[v]->linear_panel_bf16(x.data() + r0 * K, K, kc, rows, w.data() + p * PW * K, K, kc, kChunks, nullptr,
+                                int(std::min(PW, N - p * PW)), out[v].data() + r0 * N + p * PW, N, Elem::BF16,
+                                scratch.data(), pairs ? xp.data() : nullptr, nullptr);
       }
-      s[v].push_back(seconds_since(t0));
     }
-  std::vector<double> ratio;
-  for (int it = 0; it < rounds; ++it) ratio.push_back(s[0][it] / s[1][it]);
-  const double flop = 2.0 * M * K * N;
-  std::printf("linear|%ld|%ld|%ld|%.1f|%.1f|%.3f|%d\n", long(M), long(K), long(N),
-              flop / *std::min_element(s[0].begin(), s[0].end()) / 1e9, flop / *std::min_element(s[1].begin(), s[1].end()) / 1e9,
-              median(ratio), int(out[0] == out[1]));
+  });
+  std::printf("linear|%ld|%ld|%ld|%s|%d\n", long(M), long(K), long(N), rates(2.0 * M * K * N, s).c_str(),
+              int(out[0] == out[1]));
   return 0;
 }
 }  // namespace
