@@ -113,14 +113,12 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(a.base, Path(tmp))
         for K in ((256,) if a.smoke else (2048, 768)):
-            got = run(exe, ["hot", table, K, 1 if a.smoke else a.rounds], 1)
-            if got is None:
-                return {}
-            res["hot"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]), "new_GFLOPs": float(r[4]),
-                            "ratio": float(r[5])} for r in got]
-            got = run(exe, ["hot_bf16", table, K, 1 if a.smoke else a.rounds], 1)
-            res["hot_bf16"] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]),
-                                 "new_GFLOPs": float(r[4]), "ratio": float(r[5])} for r in got]
+            for mode in ("hot", "hot_bf16"):
+                got = run(exe, [mode, table, K, 1 if a.smoke else a.rounds], 1)
+                if got is None:
+                    return {}
+                res[mode] += [{"rows": int(r[1]), "K": int(r[2]), "base_GFLOPs": float(r[3]),
+                               "new_GFLOPs": float(r[4]), "ratio": float(r[5])} for r in got]
         for mode, shapes in (("linear", LINEAR), ("linear_bf16", LINEAR_BF16)):
             for M, K, N in ([(64, 256, 64)] if a.smoke else shapes):
                 r = run(exe, [mode, table, M, K, N, 1 if a.smoke else a.rounds], threads)[0]
@@ -131,13 +129,11 @@ def main(argv=None) -> dict:
                 for r in run(exe, [mode, table, mean, 2 * a.rounds], threads):
                     res[mode].append({"mean_rows": mean, "base_ms": float(r[2]), "new_ms": float(r[3]),
                                       "probes": [float(r[4]), float(r[5])]})
-    hot = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
-           for h in res["hot"]]
-    hot_bf16 = [[h["rows"], h["K"], f"{h['base_GFLOPs']:.1f}", f"{h['new_GFLOPs']:.1f}", f"{h['ratio']:.2f}x"]
-                for h in res["hot_bf16"]]
-    lin = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"] for x in res["linear"]]
-    lin_bf16 = [[x["shape"], f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}", f"{x['ratio']:.3f}x"]
-                for x in res["linear_bf16"]]
+    def rates(key, keys, digits):  # table rows: the keys' values, base and new GFLOP/s, new / base
+        return [[*(x[k] for k in keys), f"{x['base_GFLOPs']:.1f}", f"{x['new_GFLOPs']:.1f}",
+                 f"{x['ratio']:.{digits}f}x"] for x in res[key]]
+    hot, hot_bf16 = rates("hot", ("rows", "K"), 2), rates("hot_bf16", ("rows", "K"), 2)
+    lin, lin_bf16 = rates("linear", ("shape",), 3), rates("linear_bf16", ("shape",), 3)
     exp = []
     for mode, dtype in (("experts", "fp32"), ("experts_bf16", "bf16")):
         for mean in sorted({e["mean_rows"] for e in res[mode]}):

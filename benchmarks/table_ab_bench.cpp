@@ -132,7 +132,8 @@ int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
     const auto s = alternated(rounds, false, [&](int v) {
       for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl.data());
     });
-    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(), int(out[0] == out[1]));
+    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(),
+                int(out[0] == out[1]));
     std::fflush(stdout);
   }
   return 0;
@@ -331,7 +332,8 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
                                   nullptr);
       }
     });
-    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(), int(out[0] == out[1]));
+    std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(),
+                int(out[0] == out[1]));
     std::fflush(stdout);
   }
   return 0;
