@@ -14,6 +14,10 @@ Routing: uniform (each token's top 8 of 128 experts drawn at random) or `--routi
 30B-A3B-shaped bench model's own routing (decode_bench.py's model and prompts, layer 0 at a
 decode step). 30B-A3B expert shapes: 128 experts, hidden 2048, intermediate 768. Writes
 benchmarks/results/peer_moe.{md,json}; not part of `make bench`.
+
+`--rows 1,2,4` measures instead with every expert given exactly that many rows (16 R tokens,
+token t routed to experts 8t .. 8t + 7 mod 128): where in the rows an expert the two kernels
+part. Writes benchmarks/results/peer_moe_rows.{md,json}.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="16,64,128")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform")
+    ap.add_argument("--rows", default="", help="rows every expert gets, comma separated (instead of --tokens)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = ap.parse_args(argv)
@@ -96,11 +101,16 @@ def main(argv=None) -> dict:
     torch.ops._C.prepack_moe_weight(dn, vdn, "vec")
     meta = machine_meta()
     rows, results = [], []
-    for tokens in (int(t) for t in a.tokens.split(",")):
+    per_expert = [int(r) for r in a.rows.split(",")] if a.rows else []
+    for tokens in ([E * r // TOP for r in per_expert] or [int(t) for t in a.tokens.split(",")]):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(tokens, H, generator=g)
-        ids = (model_routing(tokens) if a.routing == "model" else
-               torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(tokens)]))
+        if per_expert:  # every expert tokens * TOP / E rows
+            ids = (torch.arange(tokens * TOP) % E).view(tokens, TOP)
+        elif a.routing == "model":
+            ids = model_routing(tokens)
+        else:
+            ids = torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(tokens)])
         w = torch.softmax(torch.randn(tokens, TOP, generator=g), -1)
         ids32, out = ids.to(torch.int32), torch.empty(tokens, H)
         experts = int(ids.unique().numel())
@@ -124,27 +134,30 @@ def main(argv=None) -> dict:
             v = min(vllm()[0] for _ in range(2))
             probes.append((p0, roofline.read_bandwidth_now(256)))
             ts.append(t), vs.append(v), ratios.append(v / t)
-        r = {"tokens": tokens, "experts": experts, "tonp_ms": [t * 1e3 for t in ts],
+        r = {**({"rows_per_expert": tokens * TOP // E} if per_expert else {}), "tokens": tokens, "experts": experts, "tonp_ms": [t * 1e3 for t in ts],
              "vllm_ms": [v * 1e3 for v in vs], "probes_GBs": probes,
              "tonp_speed_over_vllm": statistics.median(ratios), "max_abs_diff": diff}
         results.append(r)
         log(f"peer_moe: {tokens} tokens: tonp / vLLM speed {r['tonp_speed_over_vllm']:.3f}")
-        rows.append([tokens, experts, f"{min(ts) * 1e3:.1f} ({gb / min(ts):.1f} GB/s)",
+        rows.append([*([tokens * TOP // E] if per_expert else []), tokens, experts,
+                     f"{min(ts) * 1e3:.1f} ({gb / min(ts):.1f} GB/s)",
                      f"{min(vs) * 1e3:.1f} ({gb / min(vs):.1f} GB/s)",
                      f"{min(p for pr in probes for p in pr):.0f}-{max(p for pr in probes for p in pr):.0f}",
                      f"{r['tonp_speed_over_vllm']:.2f}x", f"{diff:.1e}"])
     md = (f"# The fp32 experts' stage: tonp against vLLM's cpu_fused_moe\n\n{meta['date']}; "
           f"{meta['cpu']}; kernel table **{tk.isa()}**; {torch.get_num_threads()} threads; "
-          f"{E} experts, hidden {H}, intermediate {I}, top {TOP}; routing: {a.routing}; "
+          f"{E} experts, hidden {H}, intermediate {I}, top {TOP}; routing: "
+          f"{'every expert the same rows' if per_expert else a.routing}; "
           f"{a.rounds} rounds, best of 2 each.\n\n"
-          + md_table(["tokens", "experts", "tonp ms (GB/s)", "vLLM ms (GB/s)", "probes GB/s",
+          + md_table([*(["rows / expert"] if per_expert else []), "tokens", "experts", "tonp ms (GB/s)",
+                      "vLLM ms (GB/s)", "probes GB/s",
                       "tonp / vLLM speed (median of rounds)", "largest abs difference"], rows)
           + "\n\ntonp: `moe_experts` (weight groups) + `moe_combine`; vLLM: `cpu_fused_moe` "
             "(isa vec, weights prepacked), loaded from .venv-vllm into this process. GB/s: the "
             "distinct experts' weight bytes over the best time. The outputs differ in the "
             "last bits (two fp32 orders): a check that both ran the same experts.\n")
-    data = {"meta": meta, "routing": a.routing, "results": results}
-    write_record(a.out, "peer_moe", md, data)
+    data = {"meta": meta, "routing": "rows per expert" if per_expert else a.routing, "results": results}
+    write_record(a.out, "peer_moe_rows" if per_expert else "peer_moe", md, data)
     return data
 
 

@@ -3,7 +3,9 @@
 // (Kernels::linear_panel with weight groups, pack_lanes) and the bf16 x bf16 one
 // (Kernels::linear_panel_bf16, the pair chains) timed alternately, every output compared byte
 // for byte between the builds. benchmarks/table_ab.py builds and runs it.
-//   hot <table> <K> [rounds]          one thread, 4 panels (512 KB at K = 2048, in L2), per row count
+//   hot <table> <K> [rounds]          one thread, 4 panels (512 KB at K = 2048: in L2 on the Zen
+//                                     4, half in L3 on the Zen 3), per row count, x lane-packed
+//                                     by each build's own pack_lanes
 //   hot_bf16 <table> <K> [rounds]     the same in bf16 x bf16: two 64-column panels (512 KB at K = 2048)
 //   linear <table> <M> <K> <N> [rounds]   a whole linear, tasks (256-row block, panel) split as
 //                                     tk.linear splits them, each thread packing its blocks
@@ -12,7 +14,8 @@
 //   experts <table> <mean rows> [rounds]  the fp32 experts' two stages (gate_up K 2048 N 1536,
 //                                     down K 768 N 2048) over 128 cold experts (weights on 2 MB
 //                                     pages, as a model's), rows an expert drawn from
-//                                     Poisson(mean), a read probe around each sample
+//                                     Poisson(mean) (=R: exactly R rows every expert; its lines
+//                                     print the mean as -R), a read probe around each sample
 //   experts_bf16 <table> <mean rows> [rounds]  the same stages in bf16 x bf16 (64-column
 //                                     panels, weights read in place)
 // <table>: avx512bf16 or avx2. Output lines "hot|R|K|base_GFLOPs|new_GFLOPs|median_ratio|same"
@@ -125,12 +128,13 @@ int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
   const std::vector<float> w = filled(N * K, 2654435761ull), g = groups_of(w, N, K);
   for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 64, 256}) {
     const std::vector<float> x = filled(R * K, 40503ull);
-    std::vector<float> out[2] = {std::vector<float>(R * N), std::vector<float>(R * N)}, xl(R * K + 64);
+    std::vector<float> out[2] = {std::vector<float>(R * N), std::vector<float>(R * N)};
+    std::vector<float> xl[2] = {std::vector<float>(R * K + 64), std::vector<float>(R * K + 64)};
     std::vector<float> scratch(tonp::linear_scratch(kChunks, K, R, Elem::F32, 32, true) + 64);
-    t[0]->pack_lanes(x.data(), K, R, kc, kChunks, xl.data());
+    for (int v = 0; v < 2; ++v) t[v]->pack_lanes(x.data(), K, R, kc, kChunks, xl[v].data());  // each build's tile layout
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
     const auto s = alternated(rounds, false, [&](int v) {
-      for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl.data());
+      for (int r = 0; r < reps; ++r) panels(t[v], x.data(), R, K, w.data(), g.data(), N, 0, N / kPanel, out[v].data(), scratch, xl[v].data());
     });
     std::printf("hot|%ld|%ld|%s|%d\n", long(R), long(K), rates(2.0 * R * K * N * reps, s).c_str(),
                 int(out[0] == out[1]));
@@ -176,8 +180,8 @@ double probe() {
   return best;
 }
 
-// Rows an expert drawn from Poisson(mean) (seed 1): each expert's rows and first sorted row, the
-// experts with any, the most rows.
+// Rows an expert drawn from Poisson(mean) (seed 1), or, for a negative mean, exactly -mean rows
+// every expert: each expert's rows and first sorted row, the experts with any, the most rows.
 struct Routing {
   std::vector<int> rows, used;
   std::vector<int64_t> r0;
@@ -189,7 +193,7 @@ Routing poisson_rows(int E, double mean) {
   Routing rt;
   rt.rows.resize(E), rt.r0.assign(E + 1, 0);
   for (int e = 0; e < E; ++e) {
-    rt.rows[e] = draw(rng), rt.r0[e + 1] = rt.r0[e] + rt.rows[e], rt.maxr = std::max<int64_t>(rt.maxr, rt.rows[e]);
+    rt.rows[e] = mean < 0 ? int(-mean) : draw(rng), rt.r0[e + 1] = rt.r0[e] + rt.rows[e], rt.maxr = std::max<int64_t>(rt.maxr, rt.rows[e]);
     if (rt.rows[e]) rt.used.push_back(e);
   }
   return rt;
@@ -369,6 +373,9 @@ int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N
 }
 }  // namespace
 
+// An experts mode's rows argument: a Poisson mean, or "=R" (exactly R rows an expert: -R).
+double rows_arg(const char* a) { return a[0] == '=' ? -std::atof(a + 1) : std::atof(a); }
+
 int main(int argc, char** argv) {
   if (argc < 4) {
     std::fprintf(stderr, "usage: %s hot|hot_bf16|linear|linear_bf16|experts|experts_bf16 <table> args...\n", argv[0]);
@@ -396,8 +403,8 @@ int main(int argc, char** argv) {
     rc = linear(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
   if (mode == "linear_bf16" && argc >= 6)
     rc = linear_bf16(t, std::atol(argv[3]), std::atol(argv[4]), std::atol(argv[5]), argc > 6 ? std::atoi(argv[6]) : 7);
-  if (mode == "experts") rc = experts(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
-  if (mode == "experts_bf16") rc = experts_bf16(t, std::atof(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
+  if (mode == "experts") rc = experts(t, rows_arg(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
+  if (mode == "experts_bf16") rc = experts_bf16(t, rows_arg(argv[3]), argc > 4 ? std::atoi(argv[4]) : 10);
   std::printf("done\n");
   return rc;
 }
