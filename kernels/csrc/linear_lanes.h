@@ -195,13 +195,22 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
   lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
 }
 
-// A chunk of an fp32 weight group streamed by a block of at most kStreamRows rows (the decode's
-// experts: 4-16 rows an expert; its dense linears at 8-16 rows): lane by lane, every row tile of
-// the block on the lane's run while it is in L1 (the run comes from memory once, in eight short
-// waits, not once per tile), and the block's passes share the prefetch of the chunk after this
-// one (the group is one stream, panel after panel, expert after expert), each pass its own
-// lines, one a step, into L2. The same passes as lane_tile_packed, in another order: every lane
-// value and the tree over them are unchanged.
+// A chunk of an fp32 weight group streamed by a block of rows (the AVX2 and portable builds, every
+// row count a group is read at): kStreamRows rows at a time, lane by lane, every row tile of those
+// rows on the lane's run while it is in L1 (the run comes from memory once, in eight short waits,
+// not once per tile), and all the block's passes share the prefetch of the chunk after this one
+// (the group is one stream, panel after panel, expert after expert), each pass its own lines, one
+// a step, into L2. The same passes as lane_tile_packed, in another order: every lane value and
+// the tree over them are unchanged.
+// Blocks of more than kStreamRows rows (the dense linears at a decode batch of 32-256, an expert's
+// rows in prefill) had run tile after tile, each tile prefetching 4 KB ahead, so the first tile
+// of each chunk waited on memory while the others computed. Streamed in 16-row steps with the
+// shared fetch, against that build (Zen 3, 2 threads, in one process, every output byte equal):
+// whole linears at 64 rows with cold weights (K = 2048 and 4096, N = 2048-16384) 1.09-1.13x;
+// 128 cold experts of exactly 24 rows 1.11-1.34x, 48 rows 0.98-1.30x, 128 rows 0.97-1.52x; with
+// the weights warm in L3 (a single 4-12 MB weight) 256 x 2048 x 1536 1.03x, K = 768 0.93-0.96x,
+// 4096 x 2048 x 512 0.96x; hot in L2, one thread, 64 and 256 rows 0.97x at K = 2048 and 0.91-0.93x
+// at K = 768. A model's weights are cold at every one of these shapes.
 // Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, cold weights, in one process,
 // alternated, every output byte equal. Against the build before (7e1a7c6: tile after tile, no
 // prefetch; benchmarks/table_ab.py): the experts' decode stages, Poisson rows an expert, mean 4
@@ -218,40 +227,41 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // decode never reads them hot (one 30B-A3B expert is 19 MB in fp32).
 constexpr int64_t kStreamRows = 16;
 // What lane_block_streamed needs of a block's shape, worked out once per linear_rows_blocked call
-// (one panel: kc and the rows are fixed across its chunks; a few dozen integers): per lane its steps and where its x starts in a tile's
-// chunk (pack_lanes: the lanes one after another); the row tiles; per pass (lane, tile) its share
-// of the next chunk's kc lines (64 bytes hold a k's sixteen weights).
+// (kc and the rows are fixed across its panels and chunks; a few dozen integers): per lane its
+// steps and where its x starts in a tile's chunk (pack_lanes: the lanes one after another); the
+// block's row tiles; each pass's share of the next chunk's kc lines (64 bytes hold a k's sixteen
+// weights), the passes numbered in the order they run.
 struct StreamPlan {
   int64_t steps[8], xoff[8];
-  int tiles = 0;
-  int64_t fetch_first[8][kStreamRows / kLaneTileRows], fetch_lines[8][kStreamRows / kLaneTileRows];
-  bool on = false;  // the block is streamed (a group, at most kStreamRows rows, chunks over one lane step)
-  StreamPlan(const float* wg, int64_t kc, int64_t rows) {
-    if (!wg || rows > kStreamRows || kc <= 8) return;
+  int64_t tiles = 0, share = 0, kc = 0;
+  bool on = false;  // the block is streamed (a group, chunks over one lane step)
+  StreamPlan(const float* wg, int64_t kc_, int64_t rows) : kc(kc_) {
+    if (!wg || kc <= 8) return;
     on = true;
     for (int l = 0; l < 8; ++l) steps[l] = tonp::lane_steps(kc, l), xoff[l] = l ? xoff[l - 1] + steps[l - 1] : 0;
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto) { ++tiles; });
-    const int64_t share = (kc + 8 * tiles - 1) / (8 * tiles);
-    for (int l = 0; l < 8; ++l)
-      for (int t = 0; t < tiles; ++t) {
-        const int64_t first = (int64_t(l) * tiles + t) * share;
-        fetch_first[l][t] = first;
-        fetch_lines[l][t] = std::max<int64_t>(0, std::min(share, kc - first));
-      }
+    share = (kc + 8 * tiles - 1) / (8 * tiles);
   }
+  // Pass q's lines of the next chunk: the first, and how many (none past kc).
+  int64_t first(int64_t q) const { return q * share; }
+  int64_t lines(int64_t q) const { return std::max<int64_t>(0, std::min(share, kc - q * share)); }
 };
-static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
-                                const float* blk, const LaneStarts& starts, float* pc /* [rows, 16] */) {
-  const uintptr_t next = reinterpret_cast<uintptr_t>(blk) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
-  if (plan.tiles == 1) {  // one tile (4 rows or fewer): lane_tile_packed's loop, prefetching (hot at
+// One sub-block of at most kStreamRows rows (its first tile the block's tile g0; xl at its first
+// row's lane-packed x; pc at its first row's sums).
+static void lane_sub_block(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
+                           const float* blk, uintptr_t next, const LaneStarts& starts, int64_t g0, float* pc) {
+  int64_t tiles = 0;
+  for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto) { ++tiles; });
+  if (tiles == 1) {  // one tile (4 rows or fewer): lane_tile_packed's loop, prefetching (hot at
     // K = 768 against the build before: the general loop below 0.84-0.86x, this one 0.94-0.95x; cold level)
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto mr) {
       constexpr int MR = decltype(mr)::value;
       float lanes[8][MR * kPanel];
       const float* x = xl + c * MR * kc;
       for (int l = 0; l < 8; ++l) {
+        const int64_t q = 8 * g0 + l;
         lane_pass<MR, true>(x, blk + starts.grouped[l], plan.steps[l], 2 * kPanel, lanes[l],
-                            next + 64 * uintptr_t(plan.fetch_first[l][0]), plan.fetch_lines[l][0]);
+                            next + 64 * uintptr_t(plan.first(q)), plan.lines(q));
         x += plan.steps[l] * MR;
       }
       lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, pc);
@@ -260,18 +270,28 @@ static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t
   }
   alignas(32) float lanes[kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
   for (int l = 0; l < 8; ++l) {
-    int t = 0;
+    int64_t t = 0;
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
       constexpr int MR = decltype(mr)::value;
+      const int64_t q = 8 * g0 + l * tiles + t;
       lane_pass<MR, true>(xl + r * kc * chunks + (c * kc + plan.xoff[l]) * MR, blk + starts.grouped[l], plan.steps[l],
-                          2 * kPanel, lanes + (8 * r + l * MR) * kPanel, next + 64 * uintptr_t(plan.fetch_first[l][t]),
-                          plan.fetch_lines[l][t]);
+                          2 * kPanel, lanes + (8 * r + l * MR) * kPanel, next + 64 * uintptr_t(plan.first(q)),
+                          plan.lines(q));
       ++t;
     });
   }
   for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
     lanes_tree(lanes + 8 * r * kPanel, mr() * kPanel, mr() * kPanel, pc + r * kPanel);
   });
+}
+// A block's chunk c: its rows kStreamRows at a time (whole tiles: kStreamRows is a multiple of
+// kLaneTileRows), the next chunk's lines shared out over every pass of the block.
+static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
+                                const float* blk, const LaneStarts& starts, float* pc /* [rows, 16] */) {
+  const uintptr_t next = reinterpret_cast<uintptr_t>(blk) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
+  for (int64_t r0 = 0; r0 < rows; r0 += kStreamRows)
+    lane_sub_block(plan, xl + r0 * kc * chunks, std::min(kStreamRows, rows - r0), kc, chunks, c, blk, next, starts,
+                   r0 / kLaneTileRows, pc + r0 * kPanel);
 }
 #endif
 
@@ -292,8 +312,9 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
-// Lane passes over an fp32 weight group (kernels.h): the prefetch distance, in floats, of a row
-// tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
+// Lane passes over an fp32 weight group (kernels.h) tile by tile (the AVX-512 build; the AVX2 and
+// portable builds stream every group block, lane_block_streamed): the prefetch distance, in
+// floats, of a row tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
 // 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
 // expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
 // run, in git history). Tiles of 2-7 rows 8 KB ahead: moe_experts fp32, 128 cold experts, top-8
