@@ -13,7 +13,8 @@ Three measurements:
   * hot: one thread, four 16-column panels (in L2), per row count 1-256, K = 2048 and 768; the
     same for bf16 x bf16 (`linear_panel_bf16`, two 64-column panels, 1-256 rows);
   * linear: whole fp32 linears with weight groups on OMP_NUM_THREADS threads (the attention
-    projections' and an expert's prefill shapes), tasks split as tk.linear splits them; whole
+    projections' and an expert's prefill shapes, and the LM head at a decode batch of 64, whose
+    128 MB are cold), tasks split as tk.linear splits them; whole
     bf16 x bf16 linears at a decode batch's 64 rows (projections, LM head) and 256;
   * experts: the experts' two decode stages over 128 cold experts (30B-A3B shapes, weights on
     2 MB pages as a model's), rows an expert drawn from Poisson(1, 4, 8), a read probe around
@@ -44,7 +45,8 @@ FAST = 45.0  # GB/s
 RENAMES = ["-Dtonp_avx512bf16=tonp_base_avx512bf16_ns", "-Dkernels_avx512bf16=kernels_base_avx512bf16",
            "-Dtonp_avx2=tonp_base_avx2_ns", "-Dkernels_avx2=kernels_base_avx2",
            "-Dcpu_has_avx2_fma=cpu_has_avx2_fma_base"]
-LINEAR = [(4096, 2048, 4096), (4096, 2048, 512), (256, 2048, 1536), (256, 768, 2048)]
+LINEAR = [(4096, 2048, 4096), (4096, 2048, 512), (256, 2048, 1536), (256, 768, 2048),
+          (64, 2048, 16384)]  # the last: the LM head at a decode batch of 64
 # bf16 x bf16: a decode batch's attention projections and LM head (64 rows), an expert's prefill.
 LINEAR_BF16 = [(64, 2048, 4096), (64, 4096, 2048), (64, 2048, 16384), (256, 768, 2048)]
 

@@ -195,8 +195,8 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
   lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, part);
 }
 
-// A chunk of an fp32 weight group streamed by a block of rows (the AVX2 and portable builds, every
-// row count a group is read at): kStreamRows rows at a time, lane by lane, every row tile of those
+// A chunk of an fp32 weight group streamed by a block of rows (the AVX2 and portable builds, blocks
+// of up to kStreamBlockRows rows): kStreamRows rows at a time, lane by lane, every row tile of those
 // rows on the lane's run while it is in L1 (the run comes from memory once, in eight short waits,
 // not once per tile), and all the block's passes share the prefetch of the chunk after this one
 // (the group is one stream, panel after panel, expert after expert), each pass its own lines, one
@@ -226,6 +226,10 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // wait hides it; inlined into linear_rows_blocked, 5-6 rows ran 0.64-0.68x). A real model's
 // decode never reads them hot (one 30B-A3B expert is 19 MB in fp32).
 constexpr int64_t kStreamRows = 16;
+// Blocks of up to 128 rows stream; prefill's 256-row blocks compute more than they wait and ran
+// tile by tile 1.02-1.10x as fast as streamed (4096 x 2048 x 4096 and x 512, 256 x 2048 x 1536,
+// 256 x 768 x 2048, weights warm in L3 or re-read by 16 blocks; the 64-row LM head 1.06x streamed).
+constexpr int64_t kStreamBlockRows = 128;
 // What lane_block_streamed needs of a block's shape, worked out once per linear_rows_blocked call
 // (kc and the rows are fixed across its panels and chunks; a few dozen integers): per lane its
 // steps and where its x starts in a tile's chunk (pack_lanes: the lanes one after another); the
@@ -234,9 +238,9 @@ constexpr int64_t kStreamRows = 16;
 struct StreamPlan {
   int64_t steps[8], xoff[8];
   int64_t tiles = 0, share = 0, kc = 0;
-  bool on = false;  // the block is streamed (a group, chunks over one lane step)
+  bool on = false;  // the block is streamed (a group, at most kStreamBlockRows rows, chunks over one lane step)
   StreamPlan(const float* wg, int64_t kc_, int64_t rows) : kc(kc_) {
-    if (!wg || kc <= 8) return;
+    if (!wg || rows > kStreamBlockRows || kc <= 8) return;
     on = true;
     for (int l = 0; l < 8; ++l) steps[l] = tonp::lane_steps(kc, l), xoff[l] = l ? xoff[l - 1] + steps[l - 1] : 0;
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto) { ++tiles; });
@@ -312,8 +316,8 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
-// Lane passes over an fp32 weight group (kernels.h) tile by tile (the AVX-512 build; the AVX2 and
-// portable builds stream every group block, lane_block_streamed): the prefetch distance, in
+// Lane passes over an fp32 weight group (kernels.h) tile by tile (the AVX-512 build, and the
+// AVX2 and portable builds' blocks of more than kStreamBlockRows rows): the prefetch distance, in
 // floats, of a row tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
 // 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
 // expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
