@@ -202,7 +202,7 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // (the group is one stream, panel after panel, expert after expert), each pass its own lines, one
 // a step, into L2. The same passes as lane_tile_packed, in another order: every lane value and
 // the tree over them are unchanged.
-// Blocks of more than kStreamRows rows (the dense linears at a decode batch of 32-256, an expert's
+// Blocks of 17-128 rows (the dense linears at a decode batch of 32-128, an expert's
 // rows in prefill) had run tile after tile, each tile prefetching 4 KB ahead, so the first tile
 // of each chunk waited on memory while the others computed. Streamed in 16-row steps with the
 // shared fetch, against that build (Zen 3, 2 threads, in one process, every output byte equal):
@@ -210,7 +210,7 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // 128 cold experts of exactly 24 rows 1.11-1.34x, 48 rows 0.98-1.30x, 128 rows 0.97-1.52x; with
 // the weights warm in L3 (a single 4-12 MB weight) 256 x 2048 x 1536 1.03x, K = 768 0.93-0.96x,
 // 4096 x 2048 x 512 0.96x; hot in L2, one thread, 64 and 256 rows 0.97x at K = 2048 and 0.91-0.93x
-// at K = 768. A model's weights are cold at every one of these shapes.
+// at K = 768. 256-row blocks stay tile by tile (kStreamBlockRows, below).
 // Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, cold weights, in one process,
 // alternated, every output byte equal. Against the build before (7e1a7c6: tile after tile, no
 // prefetch; benchmarks/table_ab.py): the experts' decode stages, Poisson rows an expert, mean 4
