@@ -207,10 +207,9 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
 // of each chunk waited on memory while the others computed. Streamed in 16-row steps with the
 // shared fetch, against that build (Zen 3, 2 threads, in one process, every output byte equal):
 // whole linears at 64 rows with cold weights (K = 2048 and 4096, N = 2048-16384) 1.09-1.13x;
-// 128 cold experts of exactly 24 rows 1.11-1.34x, 48 rows 0.98-1.30x, 128 rows 0.97-1.52x; with
-// the weights warm in L3 (a single 4-12 MB weight) 256 x 2048 x 1536 1.03x, K = 768 0.93-0.96x,
-// 4096 x 2048 x 512 0.96x; hot in L2, one thread, 64 and 256 rows 0.97x at K = 2048 and 0.91-0.93x
-// at K = 768. 256-row blocks stay tile by tile (kStreamBlockRows, below).
+// 128 cold experts of exactly 24 rows 1.11-1.34x, 48 rows 0.98-1.30x, 128 rows 0.97-1.52x; a
+// single weight warm in L3, 64 x 768 x 2048, 0.96x; hot in L2, one thread, 64 rows 0.97-0.99x at
+// K = 2048 and 0.87-0.93x at K = 768. 256-row blocks stay tile by tile (kStreamBlockRows, below).
 // Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, cold weights, in one process,
 // alternated, every output byte equal. Against the build before (7e1a7c6: tile after tile, no
 // prefetch; benchmarks/table_ab.py): the experts' decode stages, Poisson rows an expert, mean 4
