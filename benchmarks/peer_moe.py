@@ -86,6 +86,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     a = ap.parse_args(argv)
+    try:
+        per_expert = [int(r) for r in a.rows.split(",")] if a.rows else []
+    except ValueError:
+        ap.error(f"--rows {a.rows!r}: comma-separated whole numbers of rows an expert")
+    if any(r < 1 for r in per_expert):
+        ap.error(f"--rows {a.rows!r}: every expert needs at least one row")
     lib = vllm_library()
     if not lib.exists():
         log("peer_moe: vLLM not installed (make peer-vllm); nothing measured")
@@ -101,7 +107,6 @@ def main(argv=None) -> dict:
     torch.ops._C.prepack_moe_weight(dn, vdn, "vec")
     meta = machine_meta()
     rows, results = [], []
-    per_expert = [int(r) for r in a.rows.split(",")] if a.rows else []
     for tokens in ([E * r // TOP for r in per_expert] or [int(t) for t in a.tokens.split(",")]):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(tokens, H, generator=g)

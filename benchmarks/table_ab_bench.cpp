@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -221,11 +222,7 @@ void expert_samples(double mean, int rounds, F&& run, S&& same) {
 
 int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
   const int E = 128;
-  const Routing rt = poisson_rows(E, mean);
-  const std::vector<int>& rows = rt.rows;
-  const std::vector<int>& used = rt.used;
-  const std::vector<int64_t>& r0 = rt.r0;
-  const int64_t maxr = rt.maxr;
+  const auto [rows, used, r0, maxr] = poisson_rows(E, mean);
   struct Stage { int64_t K, N; std::vector<float> w, g; };
   Stage st[2] = {{2048, 1536, {}, {}}, {768, 2048, {}, {}}};
   for (Stage& s : st) s.w = filled(E * s.N * s.K, 2654435761ull), s.g = groups_of(s.w, E * s.N, s.K);
@@ -276,11 +273,7 @@ std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
 int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
   constexpr int64_t PW = tonp::kPanelPairs;
   const int E = 128;
-  const Routing rt = poisson_rows(E, mean);
-  const std::vector<int>& rows = rt.rows;
-  const std::vector<int>& used = rt.used;
-  const std::vector<int64_t>& r0 = rt.r0;
-  const int64_t maxr = rt.maxr;
+  const auto [rows, used, r0, maxr] = poisson_rows(E, mean);
   struct Stage { int64_t K, N; std::vector<uint16_t> w; };
   Stage st[2] = {{2048, 1536, {}}, {768, 2048, {}}};  // chunks of 256 and 96: multiples of 16, no padding
   for (Stage& s : st) s.w = bf16_of(filled(E * s.N * s.K, 2654435761ull));
@@ -373,8 +366,16 @@ int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N
 }
 }  // namespace
 
-// An experts mode's rows argument: a Poisson mean, or "=R" (exactly R rows an expert: -R).
-double rows_arg(const char* a) { return a[0] == '=' ? -std::atof(a + 1) : std::atof(a); }
+// An experts mode's rows argument: a Poisson mean, or "=R" (exactly R rows an expert: -R); a
+// mean or R that is not positive exits with the reason.
+double rows_arg(const char* a) {
+  const double v = std::atof(a[0] == '=' ? a + 1 : a);
+  if (!(v > 0)) {
+    std::fprintf(stderr, "table_ab_bench: rows %s: a positive Poisson mean or =R with R >= 1\n", a);
+    std::exit(2);
+  }
+  return a[0] == '=' ? -std::max(1.0, std::floor(v)) : v;
+}
 
 int main(int argc, char** argv) {
   if (argc < 4) {

@@ -277,6 +277,19 @@ def test_peer_moe_says_not_installed_without_vllms_venv(tmp_path, monkeypatch, c
     assert not list(tmp_path.glob("peer_moe*"))
 
 
+@pytest.mark.parametrize("rows,why", [("0", "at least one row"), ("2,-1", "at least one row"),
+                                      ("four", "whole numbers"), ("1.5", "whole numbers")])
+def test_peer_moe_refuses_bad_rows_before_anything_runs(rows, why, tmp_path, capsys):
+    """--rows names what is wrong with it and exits 2, installed vLLM or not, writing nothing."""
+    import peer_moe
+    with pytest.raises(SystemExit) as e:
+        peer_moe.main(["--rows", rows, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--rows {rows!r}" in err and why in err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.timeout(300)
 def test_table_ab_links_two_builds_and_compares_their_bytes(tmp_path, capsys):
     """benchmarks/table_ab.py --smoke: HEAD's kernel table, renamed, and the working tree's link
