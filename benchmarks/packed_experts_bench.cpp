@@ -1,7 +1,7 @@
 // Microbenchmark: the fp32 expert weight groups against the weights in place, in the decode's
 // experts stage (benchmarks/packed_experts.py builds and runs it; docs/performance.md).
 // Each (expert, 16-column panel) is packed as pack_weight_groups packs an fp32 weight (kernels.h:
-// per chunk, the k's in the lane pairs' order, sixteen columns per k), here by pack_w, and the
+// per chunk, the k's in the AVX-512 table's lane pairs' order, sixteen columns per k), here by pack_w, and the
 // AVX512-BF16 table's linear_panel is run on it (lane passes at every row count, the weights read
 // as one run) and on the weights in place (as moe_experts runs each); the outputs are compared
 // byte for byte in every sample.
@@ -33,10 +33,11 @@ namespace proto {
 using tonp::kPanel;
 
 // One chunk block: W's ncols <= 16 rows, columns [0, kc), in the lane tiles' order (kernels.h
-// lane_pair_pos, as pack_weight_groups writes it; columns past ncols zero). An exact copy.
+// lane_group_pos in the AVX-512 table's lane pairs, as pack_weight_groups writes it there; columns
+// past ncols zero). An exact copy.
 static void pack_w(const float* W, int64_t ldw, int ncols, int64_t kc, float* out) {
   for (int64_t k = 0; k < kc; ++k)
-    for (int j = 0; j < 16; ++j) out[tonp::lane_pair_pos(kc, k) * 16 + j] = j < ncols ? W[j * ldw + k] : 0.f;
+    for (int j = 0; j < 16; ++j) out[tonp::lane_group_pos(kc, k, false) * 16 + j] = j < ncols ? W[j * ldw + k] : 0.f;
 }
 // The read probe: 256 MiB read by every thread, best of 3 (GB/s).
 static double probe_bw() {

@@ -51,7 +51,10 @@ constexpr int kChunks = 8;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// W [N, K] copied into fp32 column groups (kernels.h: per panel and chunk, lane_pair_pos order).
+// The fp32 groups' lane order of the tables compared (both read the same: main checks).
+bool g_runs = false;
+
+// W [N, K] copied into fp32 column groups (kernels.h: per panel and chunk, lane_group_pos order).
 std::vector<float> groups_of(const std::vector<float>& w, int64_t N, int64_t K) {
   const int64_t kc = K / kChunks;
   std::vector<float> g(w.size());
@@ -59,7 +62,7 @@ std::vector<float> groups_of(const std::vector<float>& w, int64_t N, int64_t K) 
     for (int c = 0; c < kChunks; ++c)
       for (int64_t k = 0; k < kc; ++k)
         for (int j = 0; j < kPanel; ++j)
-          g[p * kPanel * K + c * kc * kPanel + tonp::lane_pair_pos(kc, k) * kPanel + j] = w[(p * kPanel + j) * K + c * kc + k];
+          g[p * kPanel * K + c * kc * kPanel + tonp::lane_group_pos(kc, k, g_runs) * kPanel + j] = w[(p * kPanel + j) * K + c * kc + k];
   return g;
 }
 
@@ -115,13 +118,23 @@ std::string rates(double flop, const std::vector<std::vector<double>>& s) {
   return buf;
 }
 
-// rows [0, rows) of x times panels [p0, p1) of a grouped W, with table k; xl: x lane-packed.
+// rows [0, rows) of x times panels [p0, p1) of a grouped W, with table k, as tk.linear and
+// moe_experts call it (up to its group_panels_f32 whole panels a call from group_rows_f32 rows);
+// xl: x lane-packed; scratch: scratch_of(K, rows).
 void panels(const tonp::Kernels* k, const float* x, int64_t rows, int64_t K, const float* w, const float* g, int64_t N,
             int64_t p0, int64_t p1, float* out, std::vector<float>& scratch, const float* xl) {
-  const int64_t kc = K / kChunks;
-  for (int64_t p = p0; p < p1; ++p)
-    k->linear_panel(x, K, rows, w + p * kPanel * K, K, Elem::F32, kc, kChunks, nullptr, kPanel, out + p * kPanel, N,
-                    Elem::F32, scratch.data(), xl, g + p * kPanel * K);
+  const int64_t kc = K / kChunks, take = rows >= k->group_rows_f32 ? k->group_panels_f32 : 1;
+  for (int64_t p = p0; p < p1;) {
+    const int64_t n = std::min(take, p1 - p);
+    k->linear_panel(x, K, rows, w + p * kPanel * K, K, Elem::F32, kc, kChunks, nullptr, int(n * kPanel),
+                    out + p * kPanel, N, Elem::F32, scratch.data(), xl, g + p * kPanel * K);
+    p += n;
+  }
+}
+
+// Scratch for panels() of up to `rows` rows, for either table.
+std::vector<float> scratch_of(int64_t K, int64_t rows) {
+  return std::vector<float>(tonp::linear_scratch(kChunks, K, rows, Elem::F32, 32, true, 4) + 64);
 }
 
 int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
@@ -131,7 +144,7 @@ int hot(const tonp::Kernels* const t[2], int64_t K, int rounds) {
     const std::vector<float> x = filled(R * K, 40503ull);
     std::vector<float> out[2] = {std::vector<float>(R * N), std::vector<float>(R * N)};
     std::vector<float> xl[2] = {std::vector<float>(R * K + 64), std::vector<float>(R * K + 64)};
-    std::vector<float> scratch(tonp::linear_scratch(kChunks, K, R, Elem::F32, 32, true) + 64);
+    std::vector<float> scratch = scratch_of(K, R);
     for (int v = 0; v < 2; ++v) t[v]->pack_lanes(x.data(), K, R, kc, kChunks, xl[v].data());  // each build's tile layout
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
     const auto s = alternated(rounds, false, [&](int v) {
@@ -153,12 +166,14 @@ int linear(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N, int
     {
       const int th = omp_get_num_threads(), tid = omp_get_thread_num();
       const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-      std::vector<float> scratch(tonp::linear_scratch(kChunks, K, rb, Elem::F32, 32, true) + 64), xl(rb * K + 64);
+      std::vector<float> scratch = scratch_of(K, rb), xl(rb * K + 64);
       int64_t packed = -1;
-      for (int64_t task = b; task < e; ++task) {
+      for (int64_t task = b; task < e;) {  // the block's panels in this thread's tasks
         const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
+        const int64_t p1 = std::min(np, p + e - task);
         if (packed != blk) t[v]->pack_lanes(x.data() + r0 * K, K, rows, kc, kChunks, xl.data()), packed = blk;
-        panels(t[v], x.data() + r0 * K, rows, K, w.data(), g.data(), N, p, p + 1, out[v].data() + r0 * N, scratch, xl.data());
+        panels(t[v], x.data() + r0 * K, rows, K, w.data(), g.data(), N, p, p1, out[v].data() + r0 * N, scratch, xl.data());
+        task += p1 - p;
       }
     }
   });
@@ -240,15 +255,16 @@ int experts(const tonp::Kernels* const t[2], double mean, int rounds) {
       {  // (expert, panel) tasks split in contiguous halves, as moe_experts' parallel_for splits them
         const int th = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
-        std::vector<float> scratch(tonp::linear_scratch(kChunks, K, maxr, Elem::F32, 32, true) + 64), xl(maxr * K + 64);
+        std::vector<float> scratch = scratch_of(K, maxr), xl(maxr * K + 64);
         int packed = -1;
-        for (int64_t task = b; task < e; ++task) {
+        for (int64_t task = b; task < e;) {  // the expert's panels in this thread's tasks
           const int ex = used[task / np];
-          const int64_t p = task % np;
+          const int64_t p = task % np, p1 = std::min(np, p + e - task);
           const float* xe = x.data() + r0[ex] * K;
           if (packed != ex) t[v]->pack_lanes(xe, K, rows[ex], kc, kChunks, xl.data()), packed = ex;
-          panels(t[v], xe, rows[ex], K, wh[s] + ex * N * K, gh[s] + ex * N * K, N, p, p + 1,
+          panels(t[v], xe, rows[ex], K, wh[s] + ex * N * K, gh[s] + ex * N * K, N, p, p1,
                  out[v][s].data() + r0[ex] * N, scratch, xl.data());
+          task += p1 - p;
         }
       }
     }
@@ -396,6 +412,11 @@ int main(int argc, char** argv) {
     std::printf("unsupported|this CPU runs no %s table\n", table.c_str());
     return 0;
   }
+  if (t[0]->group_lane_runs != t[1]->group_lane_runs) {
+    std::printf("unsupported|the two %s tables read fp32 groups in different lane orders\n", table.c_str());
+    return 0;
+  }
+  g_runs = t[1]->group_lane_runs;
   const int last = argc - 1;
   int rc = 2;
   if (mode == "hot") rc = hot(t, std::atol(argv[3]), argc > 4 ? std::atoi(argv[last]) : 9);

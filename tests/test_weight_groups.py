@@ -69,15 +69,23 @@ def test_bf16_pack_layout_is_the_columns_blocks_side_by_side():
                     assert torch.equal(v[g, c, b, j], want), (g, c, b, j)
 
 
-def test_fp32_pack_layout_is_the_lane_pairs_order():
-    """Panel g (columns 16g..16g+15), chunk c: the chunk's k's in the order the lane tiles read
-    them, each as the sixteen columns' elements: lanes 0 and 1 step by step (k = 0, 1, 8, 9, 16,
-    17), then lanes 2-3, 4-5, 6-7; a lane with one step more than its pair's ends its run (kc =
-    20: lanes 0-3 have three steps, 4-7 two). Columns past the last whole panel are left out."""
+def test_fp32_pack_layout_is_the_tables_lane_order():
+    """Panel g (columns 16g..16g+15), chunk c: the chunk's k's in the order the table's lane
+    passes read them, each as the sixteen columns' elements. The AVX-512 table's two-lane passes:
+    lanes 0 and 1 step by step (k = 0, 1, 8, 9, 16, 17), then lanes 2-3, 4-5, 6-7, a lane with
+    one step more than its pair's ending the run, shaped [panel, chunk, 16 * kc]. The AVX2
+    table's one-lane passes: lane 0's k's (0, 8, 16), then lane 1's, ..., shaped [panel, chunk,
+    kc, 16] (kc = 20: lanes 0-3 have three steps, 4-7 two). Columns past the last whole panel are
+    left out."""
     w = torch.arange(40 * 40, dtype=torch.float32).reshape(40, 40)   # N = 40: 2 panels + 8 columns
     p = _packed(w, 2)                                                 # kc = 20
-    assert p.shape == (2, 2, 20 * 16) and p.dtype == torch.float32
-    order = [0, 1, 8, 9, 16, 17, 2, 3, 10, 11, 18, 19, 4, 5, 12, 13, 6, 7, 14, 15]
+    if tk.isa() == "avx512bf16":
+        assert p.shape == (2, 2, 20 * 16)
+        order = [0, 1, 8, 9, 16, 17, 2, 3, 10, 11, 18, 19, 4, 5, 12, 13, 6, 7, 14, 15]
+    else:
+        assert p.shape == (2, 2, 20, 16)
+        order = [0, 8, 16, 1, 9, 17, 2, 10, 18, 3, 11, 19, 4, 12, 5, 13, 6, 14, 7, 15]
+    assert p.dtype == torch.float32
     v = p.view(2, 2, 20, 16)                               # [panel][chunk][position][col]
     for g in range(2):
         for c in range(2):
@@ -161,8 +169,10 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
     """The kernel table is chosen at every call. The portable table (and the AVX2 one for bf16)
     reads W in place: pack_weight_groups makes no groups there, and groups made by the
     AVX512-BF16 table are ignored: the same bits as that table's in place, and as with no groups
-    at all. The AVX2 table reads fp32 groups in the same layout (the same copy) from four rows an
-    expert: the same bits again."""
+    at all. The AVX2 table reads fp32 groups from four rows an expert, its lanes one after
+    another: it makes its own copy (on an AVX512-BF16 CPU, in another order and shape than that
+    table's lane pairs, whose copy it then ignores), the same bits again."""
+    native = tk.isa()
     gu, dn = _experts(6, 64, 256, dtype=dtype)
     gug, dng = _packed(gu, 8), _packed(dn, 8)
     x = torch.randn(4, 256).to(dtype)
@@ -174,10 +184,14 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
     isa = tk.isa()
     assert isa == ("avx2" if env[0] == "TONP_FORCE_AVX2" else "portable")
     made = tk.pack_weight_groups(gu, 8)
-    if reads_groups(dtype, isa):
-        assert_bitwise(made, gug, f"{isa}'s groups are the AVX512-BF16 table's")
-    else:
+    if not reads_groups(dtype, isa):
         assert made is None
+    elif isa == native or dtype == torch.bfloat16:
+        assert_bitwise(made, gug, f"{isa}'s groups are the {native} table's")
+    else:   # AVX2 on an AVX512-BF16 CPU: lane runs [.., kc, 16], not lane pairs [.., 16 * kc]
+        assert made.shape == gug.shape[:-1] + (gug.shape[-1] // 16, 16), (made.shape, gug.shape)
+        assert not torch.equal(made.flatten(), gug.flatten())
+        assert torch.equal(made.flatten().sort().values, gug.flatten().sort().values)
     for name, (ids, w) in want.items():
         assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), w,
                        f"{env[0]} with groups, {name}")
@@ -191,6 +205,29 @@ def test_other_builds_make_their_groups_and_ignore_others(env, dtype, monkeypatc
             else:
                 assert not torch.equal(got, w), f"{isa}, {name}: the groups not read"
 
+
+
+def test_fp32_groups_in_the_other_lane_order_are_read_in_place():
+    """A copy in the other table's lane order (its shape: lane pairs [.., 16 * kc], lane runs
+    [.., kc, 16]) is never read as this table's: moe_experts and linear then read W in place,
+    the same bits as without groups. The twin: the same copy in this table's shape changes them.
+    (Every table switch in a process, TONP_FORCE_AVX2 on an AVX512-BF16 CPU, meets this.)"""
+    gu, dn = _experts(6, 64, 256, dtype=torch.float32)
+    ogu, odn = _experts(6, 64, 256, seed=5, dtype=torch.float32)
+    og, od = _packed(ogu, 8), _packed(odn, 8)
+    def other_order(g):   # the same floats in the other table's shape
+        pairs = tk.isa() == "avx512bf16"
+        return g.view(*g.shape[:-1], g.shape[-1] // 16, 16) if pairs else g.view(*g.shape[:-2], -1)
+    x, ids = torch.randn(8, 256), torch.tensor([[0, 1]] * 8)        # eight rows an expert
+    want = tk.moe_experts(x, ids, gu, dn)
+    assert not torch.equal(tk.moe_experts(x, ids, gu, dn, gate_up_groups=og, down_groups=od), want)
+    assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=other_order(og), down_groups=other_order(od)),
+                   want, "moe_experts, the other lane order")
+    w, ow = gu[0], ogu[0]                                          # [128, 256]
+    g = _packed(ow, 8)
+    xl = torch.randn(40, 256)
+    assert not torch.equal(tk.linear(xl, w, weight_groups=g), tk.linear(xl, w))
+    assert_bitwise(tk.linear(xl, w, weight_groups=other_order(g)), tk.linear(xl, w), "linear, the other lane order")
 
 def _block(dtype=torch.bfloat16):
     torch.manual_seed(0)

@@ -71,6 +71,8 @@ const Kernels* kernels_avx512bf16() {
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
+    t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
+    t.group_panels_f32 = 1;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;
     t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;

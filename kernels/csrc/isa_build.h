@@ -10,8 +10,10 @@ static const tonp::Kernels kTable = {
     kLaneRowsBuild,
 #if TONP_AVX2
     tonp::kRowBlockF32, nullptr, kGroupRowsBuild, false,  // fp32 groups from four rows; no bf16 ones
+    kGroupLaneRuns, 2,  // their lanes one after another; two panels a call (linear_panels_streamed2)
 #else
     tonp::kRowBlock, nullptr, 0, false,  // no groups
+    kGroupLaneRuns, 1,
 #endif
     row_max_f, gumbel_argmax,
 };

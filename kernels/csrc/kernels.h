@@ -56,9 +56,11 @@ inline bool linear_lane_passes(int64_t rows, int64_t kc, Elem w, int lane_rows) 
 // [chunks, rows, 16] and the chunk's weights transposed [kc, 16].
 // Sized by the call, so a one-row call on a large weight touches 64 bytes.
 // grouped: the call is given an fp32 weight group (lane passes at any row count).
-inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows, bool grouped = false) {
+// panels: whole panels a call may take (Kernels::group_panels_f32 where it is given groups).
+inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, int lane_rows, bool grouped = false,
+                              int panels = 1) {
   if (!grouped && !linear_lane_passes(rows, K / chunks, w, lane_rows)) return rows * kPanel;
-  return rows * kPanel * (1 + chunks) + kPanel * (K / chunks);
+  return panels * (rows * kPanel * (1 + chunks) + kPanel * (K / chunks));
 }
 
 // Whether a bf16 x bf16 linear task (bf16dot.h) runs lane passes: on the instruction from 48 rows
@@ -106,10 +108,14 @@ inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return 
 //   streams a weight row apart (AMD EPYC (Zen 4), 2 threads, 128 cold experts, one row each:
 //   gate_up K = 2048 1.22-1.31x, down K = 768 1.26-1.41x; docs/history/performance-decode.md).
 // - fp32 weights: panels of kPanel = 16 columns in the lane tiles' order (linear_impl.h), for
-//   every row count: per chunk, lanes in pairs (0 and 1, then 2-3, 4-5, 6-7), step by step, each
-//   step the sixteen columns' element k (lane l's step i: k = l + 8 i), at lane_pair_start(kc, l)
-//   + i * 2 * kPanel floats from the chunk's block (kc * kPanel floats). A lane pass then reads
-//   its pair's weights front to back, one stream, with no per-task transpose.
+//   every row count: per chunk (kc * kPanel floats), each step holding the sixteen columns'
+//   element k (lane l's step i: k = l + 8 i), in the order of the table's passes
+//   (Kernels::group_lane_runs): the AVX-512 table's two-lane passes, lanes in pairs (0 and 1
+//   step by step, then 2-3, 4-5, 6-7); the AVX2 table's one-lane passes, lanes one after another
+//   (lane_group_start, lane_group_step). A pass then reads its lanes' weights front to back, with
+//   no per-task transpose. (The AVX2 passes on the pairs' order read every other cache line, then
+//   the ones between: on the AVX2-only AMD EPYC (Zen 3), 2 threads, plain reads in that order ran
+//   26-27 GB/s where front to back ran 29-32.)
 constexpr int kGroupCols = 8;  // columns of a bf16 weight group
 // splitmix64: sampling's hash (CONTRACT.md "sample": the request key and every token's noise),
 // shared by vocab_ops.cpp and the portable table's noise; the AVX2 tables compute it in 64-bit
@@ -128,15 +134,19 @@ inline int64_t weight_group_elems(int64_t K, int64_t chunks, Elem w) {
   return chunks * group_chunk_stride(K / chunks, w) * weight_group_cols(w);
 }
 inline int64_t lane_steps(int64_t kc, int l) { return (kc - l + 7) / 8; }  // lane l's k's in a chunk: l, l + 8, ... < kc
-// Where lane l's steps start in an fp32 group's chunk block (floats).
-inline int64_t lane_pair_start(int64_t kc, int l) {
+// Where lane l's steps start in an fp32 group's chunk block (floats), and the floats between
+// its steps: lanes one after another (runs: each lane's steps in one run) or in pairs.
+inline int64_t lane_group_start(int64_t kc, int l, bool runs) {
   int64_t s = 0;
-  for (int j = 0; j < (l & ~1); ++j) s += lane_steps(kc, j);
-  return (s + (l & 1)) * kPanel;
+  for (int j = 0; j < (runs ? l : l & ~1); ++j) s += lane_steps(kc, j);
+  return (s + (runs ? 0 : l & 1)) * kPanel;
 }
+constexpr int64_t lane_group_step(bool runs) { return runs ? kPanel : 2 * kPanel; }
 // The position of a chunk's element k in an fp32 group's chunk block, in steps of kPanel floats
 // (lane k % 8's step k / 8): what pack_weight_groups writes and the lane tiles read.
-inline int64_t lane_pair_pos(int64_t kc, int64_t k) { return lane_pair_start(kc, int(k % 8)) / kPanel + 2 * (k / 8); }
+inline int64_t lane_group_pos(int64_t kc, int64_t k, bool runs) {
+  return (lane_group_start(kc, int(k % 8), runs) + (k / 8) * lane_group_step(runs)) / kPanel;
+}
 
 // Where a dot tile finds its weights: column n's block b (its elements c * kc + block * b ..
 // + block of chunk c) at c * lc + n * ln + b * lb. In place (a row of W per column): (kc, ldw,
@@ -179,7 +189,9 @@ struct Kernels {
   // wgroups: where the table reads fp32 groups (group_rows_f32), W is fp32 and the panel is whole
   // (ncols == kPanel), the panel's fp32 weight group (weight_group_elems(kc * chunks, chunks, F32)
   // floats): from group_rows_f32 rows the call then runs lane passes on it (xl required) and
-  // reads no W. Null: W in place. The same bits either way.
+  // reads no W. Null: W in place. The same bits either way. With groups, ncols may be up to
+  // kPanel * group_panels_f32 (whole panels, their groups one after another from wgroups; the
+  // scratch linear_scratch(..., true, group_panels_f32)): the same outputs as a call per panel.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
@@ -250,6 +262,15 @@ struct Kernels {
   // the instruction).
   int group_rows_f32;
   bool weight_groups_bf16;
+  // The lane order of the fp32 groups this table reads (lane_group_pos; pack_weight_groups writes
+  // it): lanes one after another (true: the AVX2 and portable tables) or in pairs (AVX-512).
+  bool group_lane_runs;
+  // Adjacent whole panels one linear_panel call may take on fp32 groups: ncols up to
+  // kPanel * group_panels_f32, wgroups the first panel's group and the others following it
+  // (pack_weight_groups' layout). The AVX2 table 2: from group_rows_f32 rows it streams the two
+  // panels' groups side by side, two streams, each lane's pass on the first then on the second
+  // (the same passes; only their order differs). Others 1.
+  int group_panels_f32;
   // The vocabulary ops' row passes (vocab_ops.cpp). row_max: the largest x[i] / T of a row of V
   // (T = 1: x[i]), NaN skipped, a zero maximum as +0 (-inf: no value but NaN or -inf); y (null:
   // none) receives the x[i] / T, *nan (null: none) whether one was NaN. gumbel_argmax: sample's

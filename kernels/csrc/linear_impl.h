@@ -240,6 +240,23 @@ static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, i
 static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                          int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                          Elem oelem, float* scratch, const float* xl, const float* wgroups) {
+  if (ncols > kPanel) {  // whole panels on their groups (Kernels::group_panels_f32)
+#if !defined(TONP_AVX512)
+    const StreamPlan plan(wgroups, kc, rows);
+    if (welem == Elem::F32 && ncols == 2 * kPanel && rows >= kGroupRowsBuild && plan.on) {
+      linear_panels_streamed2(plan, xl, rows, kc, chunks, scratch, wgroups, bias, out, ldo, oelem);
+      return;
+    }
+#endif
+    const int64_t wsz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, gsz = kc * chunks * kPanel;
+    for (int n = 0; n < ncols; n += kPanel) {  // a panel at a time
+      const int nc = std::min(kPanel, ncols - n);
+      linear_panel(x, ldx, rows, static_cast<const char*>(W) + n * ldw * wsz, ldw, welem, kc, chunks,
+                   bias ? bias + n : nullptr, nc, static_cast<char*>(out) + n * osz, ldo, oelem, scratch, xl,
+                   wgroups && nc == kPanel ? wgroups + n / kPanel * gsz : nullptr);
+    }
+    return;
+  }
   float* res = scratch;  // [rows, 16] finished sums
   float* pbuf = scratch + rows * kPanel;  // [chunks, rows, 16] partials (lane passes only)
   float* wt = pbuf + int64_t(chunks) * rows * kPanel;  // [kc, 16] transposed chunk (lane passes only)

@@ -64,17 +64,26 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
 
 // Where a lane tile finds its weights: lane l's step i (k = l + 8 i) at lane(l) + i * step floats
 // from the chunk's block. The chunk transposed per task (transpose_chunk, [kc, 16] in k order):
-// l * 16, step 128. An fp32 weight group's chunk (kernels.h, lanes in pairs): lane_pair_start,
-// step 32, so a pass over a lane pair reads one run front to back (`ahead`: floats ahead of it
-// to prefetch, 0: none). Only addresses differ: each lane meets the same weights in the same order.
+// l * 16, step 128. An fp32 weight group's chunk (kernels.h): lane_group_start, in this build's
+// lane order (kGroupLaneRuns): the AVX-512 build's passes take two lanes at once, so its groups
+// hold the lanes in pairs, step 32, and a pass reads its pair's run front to back; the AVX2 and
+// portable passes take one lane, so theirs hold each lane's steps in one run, step 16 (`ahead`:
+// floats ahead of it to prefetch, 0: none). Only addresses differ: each lane meets the same
+// weights in the same order.
 // The lanes' starts depend on kc alone, so a linear_rows_blocked call computes them once
 // (LaneStarts), not every pass of every tile: on the AVX-512 tiles of 1-7 rows, 1.02-1.08x at
 // K = 2048 and 1.06-1.15x at K = 768 (AMD EPYC, Zen 4, one thread, hot weights, one process);
 // the AVX2 table level (0.97-1.10x).
+#if defined(TONP_AVX512)
+constexpr bool kGroupLaneRuns = false;
+#else
+constexpr bool kGroupLaneRuns = true;
+#endif
 struct LaneStarts {
+  static constexpr int64_t gstep = tonp::lane_group_step(kGroupLaneRuns);  // floats between a lane's steps in a group
   int64_t transposed[8], grouped[8];
   explicit LaneStarts(int64_t kc) {
-    for (int l = 0; l < 8; ++l) transposed[l] = l * kPanel, grouped[l] = tonp::lane_pair_start(kc, l);
+    for (int l = 0; l < 8; ++l) transposed[l] = l * kPanel, grouped[l] = tonp::lane_group_start(kc, l, kGroupLaneRuns);
   }
 };
 struct LaneWalk {
@@ -83,7 +92,7 @@ struct LaneWalk {
   const int64_t* start;  // lane l's first weight at w + start[l]
   static LaneWalk transposed(const float* wt, int64_t kc, const LaneStarts& s) { return {wt, kc, 8 * kPanel, 0, s.transposed}; }
   static LaneWalk grouped(const float* g, int64_t kc, int64_t ahead, const LaneStarts& s) {
-    return {g, kc, 2 * kPanel, ahead, s.grouped};
+    return {g, kc, s.gstep, ahead, s.grouped};
   }
   const float* lane(int l) const { return w + start[l]; }
 };
@@ -250,51 +259,64 @@ struct StreamPlan {
   int64_t lines(int64_t q) const { return std::max<int64_t>(0, std::min(share, kc - q * share)); }
 };
 // One sub-block of at most kStreamRows rows (its first tile the block's tile g0; xl at its first
-// row's lane-packed x; pc at its first row's sums).
+// row's lane-packed x; pc[p] at its first row's sums in panel p), on NP panels' groups side by
+// side: each lane's passes over panel 0, then panel 1 (two streams a pass apart).
+template <int NP>
 static void lane_sub_block(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
-                           const float* blk, uintptr_t next, const LaneStarts& starts, int64_t g0, float* pc) {
+                           const float* const* blk, const uintptr_t* next, const LaneStarts& starts, int64_t g0,
+                           float* const* pc) {
   int64_t tiles = 0;
   for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto) { ++tiles; });
   if (tiles == 1) {  // one tile (4 rows or fewer): lane_tile_packed's loop, prefetching (hot at
     // K = 768 against the build before: the general loop below 0.84-0.86x, this one 0.94-0.95x; cold level)
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t, auto mr) {
       constexpr int MR = decltype(mr)::value;
-      float lanes[8][MR * kPanel];
+      float lanes[NP][8][MR * kPanel];
       const float* x = xl + c * MR * kc;
       for (int l = 0; l < 8; ++l) {
         const int64_t q = 8 * g0 + l;
-        lane_pass<MR, true>(x, blk + starts.grouped[l], plan.steps[l], 2 * kPanel, lanes[l],
-                            next + 64 * uintptr_t(plan.first(q)), plan.lines(q));
+        for (int p = 0; p < NP; ++p)
+          lane_pass<MR, true>(x, blk[p] + starts.grouped[l], plan.steps[l], starts.gstep, lanes[p][l],
+                              next[p] + 64 * uintptr_t(plan.first(q)), plan.lines(q));
         x += plan.steps[l] * MR;
       }
-      lanes_tree(&lanes[0][0], MR * kPanel, MR * kPanel, pc);
+      for (int p = 0; p < NP; ++p) lanes_tree(&lanes[p][0][0], MR * kPanel, MR * kPanel, pc[p]);
     });
     return;
   }
-  alignas(32) float lanes[kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
-  for (int l = 0; l < 8; ++l) {
-    int64_t t = 0;
+  alignas(32) float lanes[NP][kStreamRows * 8 * kPanel];  // tile at row r: lane l's values at (8 r + l MR) * 16
+  for (int l = 0; l < 8; ++l)
+    for (int p = 0; p < NP; ++p) {
+      int64_t t = 0;
+      for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        const int64_t q = 8 * g0 + l * tiles + t;
+        lane_pass<MR, true>(xl + r * kc * chunks + (c * kc + plan.xoff[l]) * MR, blk[p] + starts.grouped[l],
+                            plan.steps[l], starts.gstep, lanes[p] + (8 * r + l * MR) * kPanel,
+                            next[p] + 64 * uintptr_t(plan.first(q)), plan.lines(q));
+        ++t;
+      });
+    }
+  for (int p = 0; p < NP; ++p)
     for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-      constexpr int MR = decltype(mr)::value;
-      const int64_t q = 8 * g0 + l * tiles + t;
-      lane_pass<MR, true>(xl + r * kc * chunks + (c * kc + plan.xoff[l]) * MR, blk + starts.grouped[l], plan.steps[l],
-                          2 * kPanel, lanes + (8 * r + l * MR) * kPanel, next + 64 * uintptr_t(plan.first(q)),
-                          plan.lines(q));
-      ++t;
+      lanes_tree(lanes[p] + 8 * r * kPanel, mr() * kPanel, mr() * kPanel, pc[p] + r * kPanel);
     });
-  }
-  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-    lanes_tree(lanes + 8 * r * kPanel, mr() * kPanel, mr() * kPanel, pc + r * kPanel);
-  });
 }
-// A block's chunk c: its rows kStreamRows at a time (whole tiles: kStreamRows is a multiple of
-// kLaneTileRows), the next chunk's lines shared out over every pass of the block.
+// A block's chunk c on NP panels' groups (blk[p]: panel p's chunk c; pc[p]: its sums [rows, 16]):
+// its rows kStreamRows at a time (whole tiles: kStreamRows is a multiple of kLaneTileRows), each
+// panel's next chunk's lines shared out over every pass of the block on that panel.
+template <int NP>
 static void lane_block_streamed(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks, int c,
-                                const float* blk, const LaneStarts& starts, float* pc /* [rows, 16] */) {
-  const uintptr_t next = reinterpret_cast<uintptr_t>(blk) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
-  for (int64_t r0 = 0; r0 < rows; r0 += kStreamRows)
-    lane_sub_block(plan, xl + r0 * kc * chunks, std::min(kStreamRows, rows - r0), kc, chunks, c, blk, next, starts,
-                   r0 / kLaneTileRows, pc + r0 * kPanel);
+                                const float* const* blk, const LaneStarts& starts, float* const* pc) {
+  uintptr_t next[NP];
+  for (int p = 0; p < NP; ++p)
+    next[p] = reinterpret_cast<uintptr_t>(blk[p]) + sizeof(float) * uintptr_t(kc * kPanel);  // the next chunk
+  for (int64_t r0 = 0; r0 < rows; r0 += kStreamRows) {
+    float* q[NP];
+    for (int p = 0; p < NP; ++p) q[p] = pc[p] + r0 * kPanel;
+    lane_sub_block<NP>(plan, xl + r0 * kc * chunks, std::min(kStreamRows, rows - r0), kc, chunks, c, blk, next, starts,
+                       r0 / kLaneTileRows, q);
+  }
 }
 #endif
 
@@ -385,7 +407,9 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
     }
 #if !defined(TONP_AVX512)
     if (streamed.on) {
-      lane_block_streamed(streamed, xl, rows, kc, chunks, c, blk, starts, pc);
+      const float* const b1[1] = {blk};
+      float* const p1[1] = {pc};
+      lane_block_streamed<1>(streamed, xl, rows, kc, chunks, c, b1, starts, p1);
       continue;
     }
 #endif
@@ -397,3 +421,37 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
   chunk_tree(pbuf, cstride, chunks, cstride);
   store_rows(pbuf, rows, ncols, bias, out, ldo, oelem);
 }
+
+#if !defined(TONP_AVX512)
+// Two adjacent whole panels on their fp32 groups (wg: the first's; the second's follows it, K *
+// kPanel floats on), a block of rows the plan streams: chunk by chunk, each lane's passes on the
+// first panel's run and then on the second's (lane_block_streamed<2>), so the thread reads two
+// streams a panel apart, alternating every pass, where a panel at a time it reads one. The same
+// passes, lane values and trees as a call per panel (linear_rows_blocked): only their order
+// differs. pbuf: [2][chunks, rows, 16].
+// Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, moe_experts fp32 at 30B-A3B shapes,
+// 128 cold experts, in one process, alternated, every output byte equal (a build switching both
+// at run time): against a panel at a time, exactly 4 rows an expert 1.17-1.18x, 8 rows 1.12x,
+// 5 rows 1.01x, 6 rows 0.96x, 64 tokens routed at random 1.02x; with the lane runs (kernels.h)
+// together, against the lane pairs a panel at a time, 4 rows 1.23x, 8 rows 1.19x, 64 tokens
+// 1.03x (vLLM's cpu_fused_moe beside them, which reads two streams a thread: tonp / vLLM 0.78 ->
+// 0.97 at 4 rows, 0.91 -> 0.94 at 64 tokens). Plain reads there ran 1.1-1.3x as fast as two
+// streams a thread as one.
+static void linear_panels_streamed2(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks,
+                                    float* pbuf, const float* wg, const float* bias, void* out, int64_t ldo, Elem oelem) {
+  const int64_t cstride = rows * kPanel, gsz = kc * chunks * kPanel;
+  const LaneStarts starts(kc);
+  float* const pb[2] = {pbuf, pbuf + chunks * cstride};
+  for (int c = 0; c < chunks; ++c) {
+    const float* const blk[2] = {wg + c * kc * kPanel, wg + gsz + c * kc * kPanel};
+    float* const pc[2] = {pb[0] + c * cstride, pb[1] + c * cstride};
+    lane_block_streamed<2>(plan, xl, rows, kc, chunks, c, blk, starts, pc);
+  }
+  const int64_t osz = oelem == Elem::F32 ? 4 : 2;
+  for (int p = 0; p < 2; ++p) {
+    chunk_tree(pb[p], cstride, chunks, cstride);
+    store_rows(pb[p], rows, kPanel, bias ? bias + p * kPanel : nullptr, static_cast<char*>(out) + p * kPanel * osz, ldo,
+               oelem);
+  }
+}
+#endif

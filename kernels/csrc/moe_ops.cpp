@@ -187,26 +187,32 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     const int64_t pw = pairs ? kPanelPairs : kPanel, np = (N + pw - 1) / pw, ntask = int64_t(blks.size()) * np, kc = Kd / chunks;
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const bool grouped = wg && we == Elem::F32;
+      // fp32 groups: a block's adjacent whole panels in one call where the table takes several
+      // (Kernels::group_panels_f32: the AVX2 table streams two side by side) and the two tasks
+      // are this thread's.
+      const int gp = grouped ? kern->group_panels_f32 : 1;
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows)
-                                                : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped));
+                                                : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped, gp));
       XPack xpack(kern, pairs, max_rows, Kd, kc, we, grouped);  // a block's rows, for all its panels
-      for (int64_t t = b; t < en; ++t) {
-        const Blk& k = blks[t / np];
-        const int64_t p = t % np;
-        const int ncols = int(std::min<int64_t>(pw, N - p * pw));
+      for (int64_t t = b; t < en;) {
+        const int64_t bi = t / np, p = t % np;
+        const Blk& k = blks[bi];
+        const int64_t whole = k.rows >= kern->group_rows_f32 ? std::min<int64_t>({int64_t(gp), en - t, (N - p * pw) / pw}) : 1;
+        const int ncols = int(std::min<int64_t>(pw * std::max<int64_t>(whole, 1), N - p * pw));
+        t += std::max<int64_t>(whole, 1);
         const char* wt = w + (k.e * N + p * pw) * Kd * wsz;
         char* o = out + (k.r0 * N + p * pw) * xsz;
         if (pairs)
           kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(in) + k.r0 * ld, ld, xk, k.rows,
                                   reinterpret_cast<const uint16_t*>(wt), Kd, kc, int(chunks), nullptr, ncols, o, N, xe,
                                   scratch.get(),
-                                  static_cast<const uint16_t*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
+                                  static_cast<const uint16_t*>(xpack.of(bi, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
                                   wg ? static_cast<const uint16_t*>(wg) + k.e * gexp + p * pw / gc * gsz : nullptr);
         else
           kern->linear_panel(reinterpret_cast<const float*>(in) + k.r0 * ld, ld, k.rows, wt, Kd, we, kc, int(chunks),
                              nullptr, ncols, o, N, xe, scratch.get(),
-                             static_cast<const float*>(xpack.of(t / np, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
-                             grouped && ncols == pw ? static_cast<const float*>(wg) + k.e * gexp + p * gsz : nullptr);
+                             static_cast<const float*>(xpack.of(bi, in + k.r0 * ld * isz, ld, k.rows, int(chunks))),
+                             grouped && ncols % pw == 0 ? static_cast<const float*>(wg) + k.e * gexp + p * gsz : nullptr);
       }
     });
   };

@@ -80,15 +80,21 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   at::parallel_for(0, np * nmb, grain_for(std::min(rb, M) * Kd * pw, M == 1 ? int64_t(1) << 16 : int64_t(1) << 18),
                    [&](int64_t begin, int64_t end) {
     const int64_t rows_max = std::min(rb, M);
+    // fp32 groups: a row block's adjacent whole panels in one call where the table takes several
+    // (Kernels::group_panels_f32) and the tasks are this thread's.
+    const int gp = grouped ? kern->group_panels_f32 : 1;
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
-                                              : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32));
+                                              : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32, false, gp));
     XPack xpack(kern, pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = begin; t < end;) {
       // bf16 pairs: a panel's row blocks run one after another (its packed weights come from
       // L2 after the first); fp32: a row block's panels.
       const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
-      const int ncols = int(std::min<int64_t>(pw, N - p * pw));
+      const bool lanes = grouped && linear_lane_passes(rows, kc, welem, kern->lane_rows_f32);
+      const int64_t whole = lanes ? std::min<int64_t>({int64_t(gp), end - t, (N - p * pw) / pw}) : 1;
+      const int ncols = int(std::min<int64_t>(pw * std::max<int64_t>(whole, 1), N - p * pw));
+      t += std::max<int64_t>(whole, 1);
       if (pairs)
         kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, xkc, rows,
                                 reinterpret_cast<const uint16_t*>(wp) + p * pw * Kd, Kd, kc, int(chunks),
@@ -103,9 +109,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                            oelem, scratch.get(),
                            static_cast<const float*>(
                                xpack.of(mb, reinterpret_cast<const float*>(xp) + r0 * Kd, Kd, rows, int(chunks))),
-                           grouped && ncols == kPanel && linear_lane_passes(rows, kc, welem, kern->lane_rows_f32)
-                               ? static_cast<const float*>(wg) + p * gsz
-                               : nullptr);
+                           lanes && ncols % kPanel == 0 ? static_cast<const float*>(wg) + p * gsz : nullptr);
     }
   });
   return out;
@@ -114,9 +118,10 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
 // A weight [..., N, K]'s columns in groups (kernels.h): bf16, eight columns for
 // linear_panel_bf16's one-row tiles, [..., N / 8, chunks, 8 * padded chunk] (each column's chunk
 // zero padded to the pair chains' 16-element blocks); fp32, sixteen-column panels for
-// linear_panel's lane passes, [..., N / 16, chunks, 16 * kc] (each chunk's k's in the lane pairs'
-// order, sixteen columns per k). The chunks are in the shape, so a copy made for other chunks is
-// refused; an exact copy; columns past the last whole group are left out (the kernel reads them
+// linear_panel's lane passes, [..., N / 16, chunks, 16 * kc] (each chunk's k's as the table's lane
+// pairs read them) or [..., N / 16, chunks, kc, 16] (as its lane runs do: Kernels::group_lane_runs),
+// sixteen columns per k. The chunks are in the shape, so a copy made for other chunks is refused;
+// an exact copy; columns past the last whole group are left out (the kernel reads them
 // in place). Empty where this process's table reads no groups: nothing to gain, so no memory
 // spent.
 at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
@@ -129,11 +134,11 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   if (!reads_weight_groups(K(), we) || G == 0 || Kd == 0) return at::empty({0}, w.options());
   const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we);
   at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
-  std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 2);
-  shape.insert(shape.end(), {G, chunks, gc * xkc});
-  if (we == Elem::F32) {  // each chunk's k's in the lane pairs' order (kernels.h lane_pair_pos)
+  const bool runs = K()->group_lane_runs;
+  const std::vector<int64_t> shape = weight_groups_shape(w, chunks, runs);
+  if (we == Elem::F32) {  // each chunk's k's in the table's lane order (kernels.h lane_group_pos)
     std::vector<int64_t> order(kc);
-    for (int64_t k = 0; k < kc; ++k) order[lane_pair_pos(kc, k)] = k;
+    for (int64_t k = 0; k < kc; ++k) order[lane_group_pos(kc, k, runs)] = k;
     // One copy: index_select writes the permuted view's rows straight into a new contiguous
     // tensor (selecting first and then making the permute contiguous held two copies of the
     // weight at once: 1.6 GB more at the peak for one 30B layer's fp32 gate_up).

@@ -199,18 +199,26 @@ inline void check_chunks(int64_t K, int64_t chunks, const char* op) {
 // The shape of a weight [..., N, K]'s column groups (kernels.h) as pack_weight_groups (ops.cpp)
 // makes them for `chunks` reduction chunks, with G = weight_group_cols(the weight's dtype):
 // [..., N / G, chunks, G * group_chunk_stride(K / chunks, the dtype)].
-inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chunks) {
+// runs: fp32 groups in lane runs (Kernels::group_lane_runs), shaped [..., N / 16, chunks, kc, 16]
+// where the lane pairs' are [..., N / 16, chunks, 16 * kc]: the shape says which order a copy
+// holds, so a table never reads another's order (weight_groups_of).
+inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chunks, bool runs) {
   const Elem e = w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16;
-  const int64_t G = weight_group_cols(e);
+  const int64_t G = weight_group_cols(e), kc = w.size(-1) / chunks;
   std::vector<int64_t> s(w.sizes().begin(), w.sizes().end() - 2);
-  s.insert(s.end(), {w.size(-2) / G, chunks, G * group_chunk_stride(w.size(-1) / chunks, e)});
+  s.insert(s.end(), {w.size(-2) / G, chunks});
+  if (e == Elem::F32 && runs)
+    s.insert(s.end(), {kc, G});
+  else
+    s.push_back(G * group_chunk_stride(kc, e));
   return s;
 }
 
 // The column groups a caller passes beside weight w (a copy it owns, made by pack_weight_groups
 // from these weights and chunks), checked; null where there are none (not given, or empty: what
-// pack_weight_groups returns where the table reads none) or the table reads none. The copy's
-// contents are the caller's: a group stale against w would give another weight's outputs.
+// pack_weight_groups returns where the table reads none), the table reads none, or they hold
+// fp32 lanes in the other order (made by another table: W is then read in place, the same bits).
+// The copy's contents are the caller's: a group stale against w would give another weight's outputs.
 inline const void* weight_groups_of(const std::optional<at::Tensor>& g, const at::Tensor& w, int64_t chunks,
                                     const char* op, const char* what) {
   if (!g || !g->defined() || g->numel() == 0) return nullptr;
@@ -218,11 +226,14 @@ inline const void* weight_groups_of(const std::optional<at::Tensor>& g, const at
                    "_groups must be a contiguous CPU tensor of the weight's dtype ", w.scalar_type(),
                    " (pack_weight_groups' result), got ", g->scalar_type(), " on ", g->device(),
                    g->is_contiguous() ? "" : ", not contiguous");
-  const std::vector<int64_t> want = weight_groups_shape(w, chunks);
+  const Kernels* kern = K();
+  const std::vector<int64_t> want = weight_groups_shape(w, chunks, kern->group_lane_runs);
+  if (w.scalar_type() == at::kFloat && g->sizes() == at::IntArrayRef(weight_groups_shape(w, chunks, !kern->group_lane_runs)))
+    return nullptr;  // another table's lane order
   TORCH_CHECK_VALUE(g->sizes() == at::IntArrayRef(want), "tonp.", op, ": ", what, "_groups has shape ", g->sizes(),
                     ", but pack_weight_groups of ", what, " ", w.sizes(), " with chunks=", chunks, " has ",
                     at::IntArrayRef(want), " (packed from another weight, or for other chunks?)");
-  if (!reads_weight_groups(K(), w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16)) return nullptr;
+  if (!reads_weight_groups(kern, w.scalar_type() == at::kFloat ? Elem::F32 : Elem::BF16)) return nullptr;
   return g->data_ptr();
 }
 
