@@ -267,9 +267,9 @@ struct Kernels {
   bool group_lane_runs;
   // Adjacent whole panels one linear_panel call may take on fp32 groups: ncols up to
   // kPanel * group_panels_f32, wgroups the first panel's group and the others following it
-  // (pack_weight_groups' layout). The AVX2 table 2: from group_rows_f32 rows it streams the two
-  // panels' groups side by side, two streams, each lane's pass on the first then on the second
-  // (the same passes; only their order differs). Others 1.
+  // (pack_weight_groups' layout). The AVX2 table 2: at group_rows_f32 to 12 rows it streams the
+  // two panels' groups side by side, two streams, each lane's pass on the first then on the
+  // second (the same passes; only their order differs), more rows a panel at a time. Others 1.
   int group_panels_f32;
   // The vocabulary ops' row passes (vocab_ops.cpp). row_max: the largest x[i] / T of a row of V
   // (T = 1: x[i]), NaN skipped, a zero maximum as +0 (-inf: no value but NaN or -inf); y (null:

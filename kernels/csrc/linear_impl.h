@@ -243,7 +243,7 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   if (ncols > kPanel) {  // whole panels on their groups (Kernels::group_panels_f32)
 #if !defined(TONP_AVX512)
     const StreamPlan plan(wgroups, kc, rows);
-    if (welem == Elem::F32 && ncols == 2 * kPanel && rows >= kGroupRowsBuild && plan.on) {
+    if (welem == Elem::F32 && ncols == 2 * kPanel && rows >= kGroupRowsBuild && rows <= kTwoPanelRows && plan.on) {
       linear_panels_streamed2(plan, xl, rows, kc, chunks, scratch, wgroups, bias, out, ldo, oelem);
       return;
     }

@@ -429,14 +429,20 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
 // streams a panel apart, alternating every pass, where a panel at a time it reads one. The same
 // passes, lane values and trees as a call per panel (linear_rows_blocked): only their order
 // differs. pbuf: [2][chunks, rows, 16].
-// Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, moe_experts fp32 at 30B-A3B shapes,
-// 128 cold experts, in one process, alternated, every output byte equal (a build switching both
-// at run time): against a panel at a time, exactly 4 rows an expert 1.17-1.18x, 8 rows 1.12x,
-// 5 rows 1.01x, 6 rows 0.96x, 64 tokens routed at random 1.02x; with the lane runs (kernels.h)
-// together, against the lane pairs a panel at a time, 4 rows 1.23x, 8 rows 1.19x, 64 tokens
-// 1.03x (vLLM's cpu_fused_moe beside them, which reads two streams a thread: tonp / vLLM 0.78 ->
-// 0.97 at 4 rows, 0.91 -> 0.94 at 64 tokens). Plain reads there ran 1.1-1.3x as fast as two
-// streams a thread as one.
+// Measured on the AVX2-only AMD EPYC (Zen 3), 2 threads, cold weights, in one process,
+// alternated, every output byte equal. moe_experts fp32 at 30B-A3B shapes, 128 experts, a build
+// switching at run time: against a panel at a time, exactly 4 rows an expert 1.17-1.18x, 8 rows
+// 1.12x, 5 rows 1.01x, 6 rows 0.96x, 64 tokens routed at random 1.02x; with the lane runs
+// (kernels.h) together, against the lane pairs a panel at a time, 4 rows 1.23x, 8 rows 1.19x,
+// 64 tokens 1.03x (vLLM's cpu_fused_moe beside them, which reads two streams a thread: tonp /
+// vLLM 0.78 -> 0.97 at 4 rows, 0.91 -> 0.94 at 64 tokens). benchmarks/table_ab.py's experts
+// mode, against a panel at a time: 4 / 5 / 6 / 8 / 12 rows an expert 1.03x / 1.14x / 1.06x /
+// 1.13x / 1.03x, Poisson means 4 and 8 1.04x / 1.07x; a whole 8 x 2048 x 4096 linear 1.16x.
+// Plain reads there ran 1.1-1.3x as fast as two streams a thread as one.
+// Blocks of more rows run their panels one at a time: side by side, the two panels' chunks (32 KB
+// at K = 2048) no longer stay in L1 for a block's later tiles and 16-row steps (against a panel at
+// a time, same machine: 16 rows an expert 0.98x, whole linears of 16-128 rows 0.90-1.01x).
+constexpr int64_t kTwoPanelRows = 12;
 static void linear_panels_streamed2(const StreamPlan& plan, const float* xl, int64_t rows, int64_t kc, int chunks,
                                     float* pbuf, const float* wg, const float* bias, void* out, int64_t ldo, Elem oelem) {
   const int64_t cstride = rows * kPanel, gsz = kc * chunks * kPanel;
