@@ -367,7 +367,7 @@ def test_linear_with_groups_is_bitwise_in_place(N, K, chunks, wdtype, xdtype):
     w = torch.randn(N, K, generator=g).to(wdtype)
     b = torch.randn(N, generator=g)
     groups = _packed(w, chunks)
-    for M in (1, 2, 3, 7, 8, 9, 13, 16, 17, 31, 32, 33, 64, 257, 300):
+    for M in (1, 2, 3, 5, 6, 7, 8, 9, 10, 13, 16, 17, 31, 32, 33, 64, 257, 300):
         x = torch.randn(M, K, generator=g).to(xdtype)
         for bias, odt in ((None, None), (b, torch.bfloat16)):
             want = tk.linear(x, w, bias, chunks=chunks, out_dtype=odt)
