@@ -188,8 +188,7 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
     at::parallel_for(0, ntask, grain_for(std::min<int64_t>(R, kRowBlock) * Kd * pw), [&](int64_t b, int64_t en) {
       const bool grouped = wg && we == Elem::F32;
       // fp32 groups: a block's adjacent whole panels in one call where the table takes several
-      // (Kernels::group_panels_f32: the AVX2 table streams two side by side) and the two tasks
-      // are this thread's.
+      // (panels_a_call; the AVX2 table streams two side by side).
       const int gp = grouped ? kern->group_panels_f32 : 1;
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows)
                                                 : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped, gp));
@@ -197,9 +196,9 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
       for (int64_t t = b; t < en;) {
         const int64_t bi = t / np, p = t % np;
         const Blk& k = blks[bi];
-        const int64_t whole = k.rows >= kern->group_rows_f32 ? std::min<int64_t>({int64_t(gp), en - t, (N - p * pw) / pw}) : 1;
-        const int ncols = int(std::min<int64_t>(pw * std::max<int64_t>(whole, 1), N - p * pw));
-        t += std::max<int64_t>(whole, 1);
+        const int64_t take = panels_a_call(kern, grouped && k.rows >= kern->group_rows_f32, t, en, N, p, pw);
+        const int ncols = int(std::min<int64_t>(pw * take, N - p * pw));
+        t += take;
         const char* wt = w + (k.e * N + p * pw) * Kd * wsz;
         char* o = out + (k.r0 * N + p * pw) * xsz;
         if (pairs)

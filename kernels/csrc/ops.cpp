@@ -81,7 +81,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
                    [&](int64_t begin, int64_t end) {
     const int64_t rows_max = std::min(rb, M);
     // fp32 groups: a row block's adjacent whole panels in one call where the table takes several
-    // (Kernels::group_panels_f32) and the tasks are this thread's.
+    // (panels_a_call).
     const int gp = grouped ? kern->group_panels_f32 : 1;
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
                                               : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32, false, gp));
@@ -92,9 +92,9 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
       const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
       const bool lanes = grouped && linear_lane_passes(rows, kc, welem, kern->lane_rows_f32);
-      const int64_t whole = lanes ? std::min<int64_t>({int64_t(gp), end - t, (N - p * pw) / pw}) : 1;
-      const int ncols = int(std::min<int64_t>(pw * std::max<int64_t>(whole, 1), N - p * pw));
-      t += std::max<int64_t>(whole, 1);
+      const int64_t take = panels_a_call(kern, lanes, t, end, N, p, pw);
+      const int ncols = int(std::min<int64_t>(pw * take, N - p * pw));
+      t += take;
       if (pairs)
         kern->linear_panel_bf16(reinterpret_cast<const uint16_t*>(xp) + r0 * ldx, ldx, xkc, rows,
                                 reinterpret_cast<const uint16_t*>(wp) + p * pw * Kd, Kd, kc, int(chunks),

@@ -214,6 +214,15 @@ inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chu
   return s;
 }
 
+// How many whole panels (pw columns each) from panel p one linear_panel call takes: up to the
+// table's group_panels_f32 where the call reads fp32 groups (`grouped`), within the thread's
+// tasks [t, end) and N's whole panels; otherwise one. tk.linear and moe_experts both split this way.
+inline int64_t panels_a_call(const Kernels* kern, bool grouped, int64_t t, int64_t end, int64_t N, int64_t p,
+                             int64_t pw) {
+  if (!grouped) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>({int64_t(kern->group_panels_f32), end - t, (N - p * pw) / pw}));
+}
+
 // The column groups a caller passes beside weight w (a copy it owns, made by pack_weight_groups
 // from these weights and chunks), checked; null where there are none (not given, or empty: what
 // pack_weight_groups returns where the table reads none), the table reads none, or they hold
