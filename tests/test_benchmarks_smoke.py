@@ -114,7 +114,8 @@ def test_train_bench_quick_writes_its_targets(tmp_path):
 @pytest.mark.timeout(180)
 def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
     """benchmarks/decode_bench.py --smoke: every batch row has its bound, the engine's overhead,
-    the prefill's rate and tonp's batch-1 bits; vLLM is reported absent unless asked for."""
+    the prefill's rate, tonp's batch-1 bits and the step's time by op class; vLLM is reported
+    absent unless asked for."""
     import decode_bench
     data = decode_bench.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path)])
     rows = data["results"]
@@ -128,9 +129,14 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
         assert len(r["read_GBs_round"]) == 2 and r["read_GBs"] == max(r["read_GBs_round"])  # before, after
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
         assert r["tonp_prefill_tok_s"] > 0 and "vllm_prefill_tok_s" not in r
+        brk = r["breakdown"]  # the step op class by op class, each against its own bound
+        assert set(brk["classes_s"]) == {"experts", "dense", "attention", "rest"}
+        assert all(brk["classes_s"][c] > 0 for c in ("experts", "dense", "attention"))
+        assert set(brk["bound_s"]) == {"experts", "dense", "attention", "other"} and len(brk["read_GBs"]) == 2
     md = (tmp_path / "decode_smoke.md").read_text()
     import tonp_kernels as tk
     assert f"kernel table **{tk.isa()}**" in md and "vLLM:" in md
+    assert "## Where a decode step's time goes" in md and "| fp32 | 4 |" in md.split("time goes")[1]
 
 
 def test_decode_bench_takes_its_batch_1_reference_from_a_batch_1_run(tmp_path, monkeypatch):
