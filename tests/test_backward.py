@@ -102,6 +102,16 @@ def test_linear_fp32_out_of_bf16_and_a_transposed_input(gen):
                    [x, w], g, torch.bfloat16, "lm-head linear")
 
 
+def test_linear_backward_refuses_operands_that_do_not_match(gen):
+    """The op reads its operands by their sizes: grad, x and weight of mismatched shapes (here x
+    and weight swapped) are refused by name, never read past a tensor's end."""
+    x, w, g = randn(8, 24, gen=gen), randn(16, 24, gen=gen), randn(8, 16, gen=gen)
+    assert torch.ops.tonp.linear_backward(g, x, w, [True, True, True], None)[1].shape == w.shape
+    for args in ((g, w, x), (x, g, w), (g[:, :15], x, w), (g, x.flatten(), w)):
+        with pytest.raises(ValueError, match="linear_backward.*do not match"):
+            torch.ops.tonp.linear_backward(*args, [True, True, False], None)
+
+
 # --- row-wise ops ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_silu_mul_and_rope(dtype, gen):

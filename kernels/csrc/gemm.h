@@ -16,9 +16,25 @@ static inline float gemm_at(const tonp::GemmOperand& o, int64_t i, int64_t j) {
 
 constexpr int kGemmMr = 6;
 
+// The packs copy (bf16 widened exactly): they change no sum. Whole strips and tiles whose
+// elements lie contiguously along the packed dimension are copied by vector or by pointer;
+// the rest goes element by element through gemm_at.
 // bp[kk * 16 + j] = B[k0 + kk, j0 + j] (zero past n), kk < kc.
 static inline void gemm_pack_b(const tonp::GemmOperand& b, int64_t k0, int64_t kc, int64_t j0, int64_t n, float* bp) {
   const int nj = int(std::min<int64_t>(16, n - j0));
+  if (nj == 16 && b.cs == 1) {  // a strip's row: sixteen contiguous elements
+    for (int64_t kk = 0; kk < kc; ++kk) {
+      const int64_t off = (k0 + kk) * b.rs + j0;
+      if (b.e == Elem::F32) {
+        const float* src = static_cast<const float*>(b.p) + off;
+        vstore(bp + kk * 16, vload(src)), vstore(bp + kk * 16 + 8, vload(src + 8));
+      } else {
+        const uint16_t* src = static_cast<const uint16_t*>(b.p) + off;
+        vstore(bp + kk * 16, vload(src)), vstore(bp + kk * 16 + 8, vload(src + 8));
+      }
+    }
+    return;
+  }
   for (int64_t kk = 0; kk < kc; ++kk)
     for (int j = 0; j < 16; ++j) bp[kk * 16 + j] = j < nj ? gemm_at(b, k0 + kk, j0 + j) : 0.f;
 }
@@ -26,6 +42,19 @@ static inline void gemm_pack_b(const tonp::GemmOperand& b, int64_t k0, int64_t k
 // ap[kk * MR + r] = A[i0 + r, k0 + kk] (zero past m).
 static inline void gemm_pack_a(const tonp::GemmOperand& a, int64_t i0, int64_t m, int64_t k0, int64_t kc, float* ap) {
   const int nr = int(std::min<int64_t>(kGemmMr, m - i0));
+  if (nr == kGemmMr) {  // a whole tile: rows by pointer, no per-element dispatch
+    const int64_t off = i0 * a.rs + k0 * a.cs;
+    if (a.e == Elem::F32) {
+      const float* src = static_cast<const float*>(a.p) + off;
+      for (int64_t kk = 0; kk < kc; ++kk, src += a.cs)
+        for (int r = 0; r < kGemmMr; ++r) ap[kk * kGemmMr + r] = src[r * a.rs];
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(a.p) + off;
+      for (int64_t kk = 0; kk < kc; ++kk, src += a.cs)
+        for (int r = 0; r < kGemmMr; ++r) ap[kk * kGemmMr + r] = bf16_to_f32(src[r * a.rs]);
+    }
+    return;
+  }
   for (int64_t kk = 0; kk < kc; ++kk)
     for (int r = 0; r < kGemmMr; ++r) ap[kk * kGemmMr + r] = r < nr ? gemm_at(a, i0 + r, k0 + kk) : 0.f;
 }

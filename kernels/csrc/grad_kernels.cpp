@@ -48,6 +48,11 @@ Tensor as_dtype_of(const Tensor& t, const Tensor& like) { return t.to(like.scala
 // output's gradient would be; the bias gradient sums it in fp32.
 std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& g_, const Tensor& x, const Tensor& w,
                                                    std::array<bool, 3> want, std::optional<at::ScalarType> bias_dtype) {
+  // The GEMMs read the operands by these sizes: a mismatched call would read past a tensor's end.
+  TORCH_CHECK_VALUE(g_.dim() == 2 && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && g_.size(0) == x.size(0) &&
+                        g_.size(1) == w.size(0),
+                    "tonp.linear_backward: grad ", g_.sizes(), ", x ", x.sizes(), " and weight ", w.sizes(),
+                    " do not match: expected grad [M, N], x [M, K] and weight [N, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
   const Tensor g = (bf16 && (want[0] || want[1]) ? g_.to(at::kBFloat16) : g_).contiguous();
   const int64_t M = g.size(0), N = g.size(1), Kd = w.size(1);
