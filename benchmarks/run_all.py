@@ -375,7 +375,8 @@ def main(argv=None) -> dict:
                        p[1])] if p else []
         if not args.skip_train:
             t = run_peer("train_bench.py", [] if mode == "full" else ["--quick"],
-                         "train.md" if mode == "full" else "train_quick.md", 1800)
+                         record_stem(RESULTS_DIR, "train" if mode == "full" else "train_quick", meta) + ".md",
+                         1800)
             extra += [("Training speed (benchmarks/train_bench.py)", t[1])] if t else []
         if decode:                    # run first (above); reported in its place
             extra += [("Batched decode (benchmarks/decode_bench.py)", decode[1])]

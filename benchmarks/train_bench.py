@@ -8,8 +8,11 @@ the scoring forward without grad, the training step = that forward + backward of
 log-prob, a prefill = `generate` with one new token; and two fp32 2048^3 GEMMs, MKL's
 (torch.mm) and tonp's backward GEMM (a linear_backward weight gradient), the faster one the compute
 bound's rate) runs round-robin in one `timeit_interleaved`, so the ratios hold on a shared
-machine. The ISA is the kernel table this process runs (`tonp_kernels.isa()`).
-Writes benchmarks/results/train.{md,json}.
+machine. The ISA is the kernel table this process runs (`tonp_kernels.isa()`). The backward GEMMs
+are also judged against the stock ones: tonp's fp32 against MKL's, tonp's bf16 against stock
+torch's bf16 matmul (a training step's backward runs on them).
+Writes benchmarks/results/train.{md,json}, or train_<machine> where train.json holds another
+machine's run (benchlib.record_stem).
 """
 from __future__ import annotations
 
@@ -24,14 +27,16 @@ import tonp_kernels as tk
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import roofline
-from benchlib import fmt_ratio, free_memory, log, machine_meta, md_table, timeit_interleaved, write_results
+from benchlib import fmt_ratio, free_memory, log, machine_meta, md_table, timeit_interleaved, write_record
 from model_bench import DTYPES, TonpEngine
 
 GEMM_N = roofline.GEMM_N
 
 
-def contenders(model, ids: torch.Tensor) -> dict:
-    """name -> call: forward, training step and prefill in both kernel modes, and the GEMM."""
+def contenders(model, ids: torch.Tensor, dtype: str) -> dict:
+    """name -> call: forward, training step and prefill in both kernel modes, and the GEMMs: fp32
+    (MKL's and tonp's backward GEMM), and in bf16 stock torch's bf16 matmul and tonp's bf16
+    backward GEMM (the same weight-gradient call on bf16 operands)."""
     out = {}
     for mode in ("invariant", "torch"):
         e = TonpEngine(model, mode)
@@ -48,6 +53,12 @@ def contenders(model, ids: torch.Tensor) -> dict:
     # below a measured rate is no bound, so the faster of the two sets it.
     out["tonp fp32 GEMM"] = lambda: torch.ops.tonp.linear_backward(a, b, a, [False, True, False],
                                                                    None)
+    if dtype == "bf16":
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        # Stock torch's bf16 matmul in its fast layout (B transposed, as F.linear calls it: on
+        # an AVX2-only CPU torch.mm(a16, b16) runs ~60x slower).
+        out["bf16 GEMM"] = lambda: torch.mm(a16, b16.t())
+        out["tonp bf16 GEMM"] = lambda: torch.ops.tonp.linear_backward(a16, b16, a16, [False, True, False], None)
     return out
 
 
@@ -55,7 +66,7 @@ def measure(config, dtype: str, shape: tuple, repeat: int, budget_s: float) -> d
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config, dtype=DTYPES[dtype])
     ids = torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(100))
-    t = timeit_interleaved(contenders(model, ids), repeat=repeat, max_total_s=budget_s,
+    t = timeit_interleaved(contenders(model, ids, dtype), repeat=repeat, max_total_s=budget_s,
                            max_call_s=120.0, stat="median")
     model.zero_grad(set_to_none=True)
     del model
@@ -65,12 +76,23 @@ def measure(config, dtype: str, shape: tuple, repeat: int, budget_s: float) -> d
     gflops = 2 * GEMM_N ** 3 / min(s["fp32 GEMM"], s["tonp fp32 GEMM"]) / 1e9
     bound = roofline.compute_bound_tok_s(config, {"gemm_fp32_GFLOPs": gflops}, (shape[1] + 1) / 2,
                                          training=True)
+    rate = {k: 2 * GEMM_N ** 3 / s[k] / 1e9 for k in s if k.endswith("GEMM")}
+    backward = {"fp32": rate["tonp fp32 GEMM"] / rate["fp32 GEMM"]}
+    if "bf16 GEMM" in rate:
+        backward["bf16"] = rate["tonp bf16 GEMM"] / rate["bf16 GEMM"]
     return {"seconds": s, "runs": {k: v.runs for k, v in t.items()}, "gemm_GFLOPs": gflops,
+            "gemm_rates_GFLOPs": rate, "backward_gemm_vs_stock": backward,
             "train_vs_forward": s["invariant train"] / s["invariant forward"],
             "torch_train_vs_forward": s["torch train"] / s["torch forward"],
             "train_speedup_vs_torch": s["torch train"] / s["invariant train"],
             "prefill_vs_torch": s["torch prefill"] / s["invariant prefill"],
             "train_pct_of_bound": 100 * tokens / s["invariant train"] / bound}
+
+
+def gemm_cell(r: dict, dt: str, ours: str, stock: str) -> str:
+    """'0.87x (136 against 156 GFLOP/s)': tonp's backward GEMM against the stock one."""
+    g = r["gemm_rates_GFLOPs"]
+    return f"{fmt_ratio(r['backward_gemm_vs_stock'][dt])} ({g[ours]:.0f} against {g[stock]:.0f} GFLOP/s)"
 
 
 def report(meta: dict, case: str, res: dict) -> str:
@@ -106,7 +128,11 @@ def report(meta: dict, case: str, res: dict) -> str:
                                                                  " (applies on AVX512-BF16 only)"),
          fmt_ratio(b["prefill_vs_torch"]), status(b["prefill_vs_torch"] >= 0.9)],
         ["fp32 training >= 40% of the compute bound", f"{f['train_pct_of_bound']:.0f}%",
-         status(f["train_pct_of_bound"] >= 40)]])
+         status(f["train_pct_of_bound"] >= 40)],
+        [f"tonp's backward GEMM >= 0.7x MKL's fp32 GEMM ({GEMM_N}^3)",
+         gemm_cell(f, "fp32", "tonp fp32 GEMM", "fp32 GEMM"), status(f["backward_gemm_vs_stock"]["fp32"] >= 0.7)],
+        [f"tonp's bf16 backward GEMM >= 0.7x stock torch's bf16 matmul ({GEMM_N}^3)",
+         gemm_cell(b, "bf16", "tonp bf16 GEMM", "bf16 GEMM"), status(b["backward_gemm_vs_stock"]["bf16"] >= 0.7)]])
     return "\n".join([
         f"# Training speed, {meta['date']}", "",
         f"{meta['cpu']}, kernel table **{isa}** (flags: {' '.join(meta['cpu_flags'])}), "
@@ -143,7 +169,7 @@ def main(argv=None) -> int:
         log(f"{case}: {dt}")
         res[dt] = measure(config, dt, shape, 1 if a.quick else a.repeat, 5.0 if a.quick else 600.0)
     md = report(meta, case, res)
-    for path in write_results(a.out, stem, md, res):
+    for path in write_record(a.out, stem, md, res):  # per machine: never over another CPU's record
         log(f"wrote {path}")
     print(md)
     return 0

@@ -98,17 +98,21 @@ def test_kernel_benchmark_samples_candidates_in_turn():
 @pytest.mark.timeout(120)
 def test_train_bench_quick_writes_its_targets(tmp_path):
     """benchmarks/train_bench.py (the training targets) runs on the tiny model: every contender
-    timed, the ratios computed, the ISA and the six targets in the report."""
+    timed, the ratios computed, the ISA and the eight targets (the backward GEMMs against the
+    stock ones among them) in the report."""
     import train_bench
     assert train_bench.main(["--quick", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "train_quick.json").read_text())
     assert data["isa"] in ("avx512bf16", "avx2", "portable")
     for dt in ("fp32", "bf16"):
+        gemms = {"fp32 GEMM", "tonp fp32 GEMM"} | ({"bf16 GEMM", "tonp bf16 GEMM"} if dt == "bf16" else set())
         assert set(data[dt]["seconds"]) == {f"{m} {w}" for m in ("invariant", "torch")
-                                            for w in ("forward", "train", "prefill")} | {"fp32 GEMM", "tonp fp32 GEMM"}
+                                            for w in ("forward", "train", "prefill")} | gemms
         assert all(s > 0 for s in data[dt]["seconds"].values())
+        assert set(data[dt]["backward_gemm_vs_stock"]) == ({"fp32", "bf16"} if dt == "bf16" else {"fp32"})
     md = (tmp_path / "train_quick.md").read_text()
-    assert md.count("| met |") + md.count("| **NOT met** |") == 6 and data["isa"] in md
+    assert md.count("| met |") + md.count("| **NOT met** |") == 8 and data["isa"] in md
+    assert "backward GEMM >= 0.7x MKL's fp32 GEMM" in md
 
 
 @pytest.mark.timeout(180)
