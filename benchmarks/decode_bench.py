@@ -158,7 +158,7 @@ def step_breakdown(model, prompts: List[List[int]], new: int, mib: int) -> dict:
     classes = {c: (t_full[c] - t_one[c]) / steps for c in t_full}
     classes["rest"] = step_s - full["overhead_s"] - sum(classes.values())
     return {"step_s": step_s, "classes_s": classes, "overhead_s": full["overhead_s"],
-            "read_GBs": [before, after]}
+            "read_GBs": [before, after], "profiled_s": t_full}
 
 
 def breakdown_cell(measured_s: float, part: Optional[dict]) -> str:

@@ -4,6 +4,7 @@ and the report files. No timing is asserted: this only guards against the benchm
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -134,8 +135,12 @@ def test_decode_bench_smoke_reports_bound_overhead_and_bits(tmp_path):
         assert r["tonp_overhead_s"] >= 0 and "vllm_e2e_tok_s" not in r
         assert r["tonp_prefill_tok_s"] > 0 and "vllm_prefill_tok_s" not in r
         brk = r["breakdown"]  # the step op class by op class, each against its own bound
+        # The profiler saw every class's ops. (The tiny model's ops take microseconds, so a
+        # class's time a step, a difference of two profiled generates, may come out at or below
+        # zero: only its presence is checked.)
+        assert all(brk["profiled_s"][c] > 0 for c in ("experts", "dense", "attention"))
         assert set(brk["classes_s"]) == {"experts", "dense", "attention", "rest"}
-        assert all(brk["classes_s"][c] > 0 for c in ("experts", "dense", "attention"))
+        assert all(math.isfinite(v) for v in brk["classes_s"].values()) and brk["step_s"] > 0
         assert set(brk["bound_s"]) == {"experts", "dense", "attention", "other"} and len(brk["read_GBs"]) == 2
     md = (tmp_path / "decode_smoke.md").read_text()
     import tonp_kernels as tk
