@@ -102,6 +102,26 @@ def test_linear_fp32_out_of_bf16_and_a_transposed_input(gen):
                    [x, w], g, torch.bfloat16, "lm-head linear")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_backward_gemm_gives_the_same_bits_from_any_operand_layout(dtype, gen):
+    """The backward GEMM packs its operands before any sum: whole tiles and strips of contiguous
+    rows by pointer and by vector, the rest element by element. Row-major operands take the
+    first paths, column-major views of the same values the last, so the gradients must be the
+    same bits either way, in every build (ragged shapes: partial row tiles and column strips).
+    No stock twin: MKL's torch.mm also keeps its bits across these layouts (measured), so this
+    test guards tonp's packs rather than showing an order stock ops break."""
+    x = randn(301, 96, dtype=dtype, gen=gen)
+    w = randn(70, 96, dtype=dtype, gen=gen)
+    g = randn(301, 70, dtype=dtype, gen=gen)
+    col = lambda t: t.t().contiguous().t()  # noqa: E731  (the same values, column-major)
+    for build, (var, val) in BUILDS.items():
+        with env(var, val):
+            want = torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)
+            got = torch.ops.tonp.linear_backward(g, col(x), col(w), [True, True, False], None)
+        assert_bitwise(got[0], want[0], f"dx, column-major operands [{build}]")
+        assert_bitwise(got[1], want[1], f"dW, column-major operands [{build}]")
+
+
 def test_linear_backward_refuses_operands_that_do_not_match(gen):
     """The op reads its operands by their sizes: grad, x and weight of mismatched shapes (here x
     and weight swapped) are refused by name, never read past a tensor's end."""
