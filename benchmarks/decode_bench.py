@@ -18,7 +18,7 @@ Per dtype and batch (prompts of --prompt-len random ids, --new greedy tokens, eo
     sampling: the Python overhead), reported apart;
   * where a step's time goes: one profiled pass per batch after its timed rounds, the experts,
     the dense linears and attention each against its own bound and the rates each reached, and
-    the rest of the forward (step_breakdown);
+    the rest of the forward (step_breakdown.py);
   * end-to-end generated tokens/s of one `generate` call (prefill included) for tonp and, with
     --peer, vLLM (`benchmarks/peer_vllm.py` in `.venv-vllm`), alternated round by round with the
     idle engine paused (SIGSTOP), best of --rounds after a 2-token warm-up of the same batch;
@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
 from benchlib import (RESULTS_DIR, ForwardClock, busy_warning, fmt, fmt_ratio, log,  # noqa: E402
                       machine_meta, md_table, write_record)
+from step_breakdown import breakdown_cell, breakdown_section, step_breakdown  # noqa: E402
 
 import tonp_kernels as tk  # noqa: E402
 from tonp_models import Qwen3MoeConfig, Qwen3MoeForCausalLM, generate  # noqa: E402
@@ -123,55 +124,6 @@ def tonp_run(model, prompts: List[List[int]], new: int, weight_groups: bool = Tr
     med = lambda v: statistics.median(v) if v else None  # noqa: E731
     return {"wall_s": wall, "step_s": med(steps), "overhead_s": med(over), "forward_s": med(fwd),
             "logprobs0": out.logprobs[0].clone()}
-
-
-# The tonp ops of each op class of roofline.decode_step_bound (the router and the LM head are
-# tonp::linear calls, dense like the attention projections); everything else in the forward
-# (norms, RoPE, routing, combine, embedding, sampling, torch glue) is "rest".
-CLASS_OPS = {"tonp::moe_experts": "experts", "tonp::linear": "dense", "tonp::attention_paged": "attention"}
-
-
-def _class_times(fn):
-    """fn()'s result and the wall time (s) its calls of each class's ops took (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-    got = dict.fromkeys(CLASS_OPS.values(), 0.0)
-    for e in prof.key_averages():
-        if e.key in CLASS_OPS:
-            got[CLASS_OPS[e.key]] += e.cpu_time_total / 1e6
-    return out, got
-
-
-def step_breakdown(model, prompts: List[List[int]], new: int, mib: int) -> dict:
-    """Where a decode step's time goes, op class by op class: one profiled generate of `new`
-    tokens less one of 1 token (the same prompts, so the prefill cancels), over the new - 1 steps
-    after the first token. 'rest' is the step's forward less the classes' ops; the engine's time
-    outside the forward is apart. The read bandwidth is probed just before and just after, for
-    each class's own bound. (The profiler adds ~1-2 us an op.)"""
-    before = roofline.read_bandwidth_now(mib)
-    full, t_full = _class_times(lambda: tonp_run(model, prompts, new))
-    one, t_one = _class_times(lambda: tonp_run(model, prompts, 1))
-    after = roofline.read_bandwidth_now(mib)
-    steps = new - 1
-    step_s = (full["wall_s"] - one["wall_s"]) / steps
-    classes = {c: (t_full[c] - t_one[c]) / steps for c in t_full}
-    classes["rest"] = step_s - full["overhead_s"] - sum(classes.values())
-    return {"step_s": step_s, "classes_s": classes, "overhead_s": full["overhead_s"],
-            "read_GBs": [before, after], "profiled_s": t_full}
-
-
-def breakdown_cell(measured_s: float, part: Optional[dict]) -> str:
-    """'12.3 ms, 81% of memory bound (24 GB/s, 130 GFLOP/s)' for one class of one step (part:
-    its roofline; None: the time alone)."""
-    if part is None or not (part["bytes"] or part["flops"]) or measured_s <= 0:
-        return f"{1e3 * measured_s:.1f} ms"
-    own = max(part["mem_s"], part["compute_s"])
-    rates = [f"{part['bytes'] / measured_s / 1e9:.0f} GB/s"]
-    if part["flops"]:
-        rates.append(f"{part['flops'] / measured_s / 1e9:.0f} GFLOP/s")
-    return (f"{1e3 * measured_s:.1f} ms, {100 * own / measured_s:.0f}% of {part['kind']} bound "
-            f"({', '.join(rates)})")
 
 
 def _die_with_parent() -> None:
@@ -394,7 +346,8 @@ def main(argv=None) -> dict:
                         pairs.append({"tonp_wall_s": t["wall_s"], "tonp_probes": t["probes"],
                                       "vllm_wall_s": p["wall_s"], "vllm_probes": p["probes"]})
                         pre_p = min(pre_p, peer.run(prompts, 1)["wall_s"])
-                brk = step_breakdown(model, prompts, a.new, mib) if a.new > 1 else None
+                brk = (step_breakdown(lambda n: tonp_run(model, prompts, n), a.new, mib)
+                       if a.new > 1 else None)
                 r = {"dtype": dname, "batch": b, "tonp_step_s": best_t["step_s"],
                      "tonp_step_tok_s": b / best_t["step_s"],
                      "tonp_forward_s": best_t["forward_s"], "tonp_overhead_s":
@@ -517,17 +470,7 @@ def main(argv=None) -> dict:
           "tokens over the wall time of a 1-token generate of the same prompts, best of the "
           "rounds.\n")
     if brk_rows:
-        md += ("\n## Where a decode step's time goes\n\nOne profiled generate of each batch after "
-               "its timed rounds, less a 1-token generate of the same prompts, over the steps after "
-               "the first token (torch.profiler's wall time of each class's ops: `tonp::moe_experts`; "
-               "`tonp::linear`, the attention projections, routers and LM head; "
-               "`tonp::attention_paged`). Each class against its own bound (the larger of its "
-               "bytes over the read bandwidth probed around this pass and its FLOPs over the "
-               "dtype's GEMM rate), and the rates it reached. 'rest': the forward's other ops "
-               "(norms, RoPE, routing, combine, sampling, torch glue); 'engine': the step outside "
-               "the forward.\n\n"
-               + md_table(["dtype", "batch", "step", "experts", "dense linears", "attention",
-                           "rest", "engine", "read GB/s before / after"], brk_rows) + "\n")
+        md += breakdown_section(brk_rows)
     stem = "decode_smoke" if a.smoke else "decode_quick" if a.quick else "decode"
     paths = write_record(a.out, stem, md, data)  # never over another machine's record
     print(md)
