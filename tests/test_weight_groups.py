@@ -348,8 +348,32 @@ def test_engine_packs_what_is_missing_or_stale_and_everything_after_an_update():
 
 # --- the dense linear (tk.linear's weight_groups; the layers' dense_grouped) ------------------
 def lane_rows() -> int:
-    """The rows from which the fp32 linear's tasks run lane passes (and read fp32 groups)."""
-    return {"avx512bf16": 32, "avx2": 8}.get(tk.isa(), 8)
+    """The rows from which the fp32 linear's tasks read fp32 groups (through lane passes), as
+    this process's table says; 0 where it reads none."""
+    return torch.ops.tonp.linear_group_rows()
+
+
+def _amd_family() -> int:
+    """This CPU's family if it is an AMD one (/proc/cpuinfo), else 0."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return 0
+    if "AuthenticAMD" not in info:
+        return 0
+    return int(next(ln for ln in info.splitlines() if ln.startswith("cpu family")).split(":")[1])
+
+
+@pytest.mark.parametrize("env", [None, ("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
+def test_linear_group_rows_follow_the_table_and_the_cpu(env, monkeypatch):
+    """The row count from which tk.linear reads fp32 groups is a speed choice per table and, on
+    the AVX-512 one, per CPU (kernels.h: every row count on an AMD Zen 5, family 26, where the
+    lane tiles ran 1.2-1.7x the dot tiles at 1-28 rows; 20 elsewhere); the AVX2 table 8; the
+    portable table reads none."""
+    if env is not None:
+        monkeypatch.setenv(*env)
+    want = {"avx512bf16": 1 if _amd_family() >= 26 else 20, "avx2": 8, "portable": 0}[tk.isa()]
+    assert lane_rows() == want, f"{tk.isa()}, AMD family {_amd_family()}"
 
 
 @pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32),
@@ -367,7 +391,7 @@ def test_linear_with_groups_is_bitwise_in_place(N, K, chunks, wdtype, xdtype):
     w = torch.randn(N, K, generator=g).to(wdtype)
     b = torch.randn(N, generator=g)
     groups = _packed(w, chunks)
-    for M in (1, 2, 3, 5, 6, 7, 8, 9, 10, 13, 16, 17, 31, 32, 33, 64, 257, 300):
+    for M in (1, 2, 3, 5, 6, 7, 8, 9, 10, 13, 16, 17, 19, 20, 21, 31, 32, 33, 64, 257, 300):
         x = torch.randn(M, K, generator=g).to(xdtype)
         for bias, odt in ((None, None), (b, torch.bfloat16)):
             want = tk.linear(x, w, bias, chunks=chunks, out_dtype=odt)
@@ -377,24 +401,33 @@ def test_linear_with_groups_is_bitwise_in_place(N, K, chunks, wdtype, xdtype):
 
 @pytest.mark.parametrize("env", [None, ("TONP_FORCE_AVX2", "1"), ("TONP_FORCE_PORTABLE", "1")])
 def test_linear_reads_fp32_groups_from_the_lane_pass_rows(env, monkeypatch):
-    """The twin: groups packed from another weight change the rows whose tasks run lane passes
-    (so the equality above compares a path that reads them) and leave fewer rows, which read W in
-    place, unchanged; the portable table reads none. A forward that records gradients reads W."""
+    """The twin: groups packed from another weight change the rows whose tasks read them (so the
+    equality above compares a path that reads them) and leave fewer rows, which read W in place,
+    unchanged (where the table has fewer: from one row on a Zen 5's AVX-512 table, none); the
+    portable table reads none. A forward that records gradients reads W."""
     g = torch.Generator().manual_seed(3)
     w, other = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
-    og = _packed(other, 8)
+    native = tk.pack_weight_groups(other, 8)    # this CPU's table's layout
     if env is not None:
         monkeypatch.setenv(*env)
+    # Packed under the forced table (its lane order: a copy in another table's order is read in
+    # place); the portable table packs none, so it is handed the native copy, which it ignores.
+    og = tk.pack_weight_groups(other, 8)
+    if og is None:
+        og = native
     rows = lane_rows()
-    x = torch.randn(rows + 5, 256, generator=g)
+    x = torch.randn(max(rows, 1) + 5, 256, generator=g)
     got = tk.linear(x, w, weight_groups=og)
     want = tk.linear(x, w)
     if reads_groups(torch.float32):
         assert not torch.equal(got, want), f"{tk.isa()}: {rows} rows did not read the groups"
     else:
         assert_bitwise(got, want, "the portable table reads W in place")
-    few = x[:rows - 1]
-    assert_bitwise(tk.linear(few, w, weight_groups=og), tk.linear(few, w), f"{rows - 1} rows: W")
+    if rows > 1:
+        few = x[:rows - 1]
+        assert_bitwise(tk.linear(few, w, weight_groups=og), tk.linear(few, w), f"{rows - 1} rows: W")
+        assert not torch.equal(tk.linear(x[:rows], w, weight_groups=og), tk.linear(x[:rows], w)), \
+            f"{rows} rows did not read the groups"
     wr = w.clone().requires_grad_()
     assert_bitwise(tk.linear(x, wr, weight_groups=og).detach(), want, "training forward: W")
 

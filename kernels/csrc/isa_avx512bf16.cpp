@@ -11,6 +11,9 @@
 #include <cstring>
 #include <type_traits>
 #include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include "kernels.h"
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 #define TONP_AVX2 1
@@ -51,6 +54,22 @@ static bool self_check(const tonp::Kernels* emu) {
     if (f32_bits(got[i]) != f32_bits(want[i]) && !(got[i] != got[i] && want[i] != want[i])) return false;
   return true;
 }
+
+// Whether this CPU is an AMD Zen 5 or later (AuthenticAMD, family 0x1A or above), whose full-width
+// zmm FMAs make the lane tiles the faster fp32 linear at every row count (kernels.h,
+// kLinearGroupRowsZmm). Only which path runs depends on it, never a bit.
+static bool amd_zen5_or_later() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned base = (a >> 8) & 0xf, ext = (a >> 20) & 0xff;
+  return (base == 0xf ? base + ext : base) >= 0x1a;
+#else
+  return false;
+#endif
+}
 }  // namespace tonp_avx512bf16
 
 namespace tonp {
@@ -70,6 +89,7 @@ const Kernels* kernels_avx512bf16() {
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
+    t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1 : tonp::kLinearGroupRowsZmm;  // kernels.h
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
     t.group_panels_f32 = 1;

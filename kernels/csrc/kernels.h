@@ -21,6 +21,14 @@ constexpr int kLaneRows = 8;  // fp32-weight linear tasks of this many rows or m
 // [2048, 768]): the dot tiles ran about 1.0-1.7x the lane passes at 10-32 rows, level or
 // slower at 48 (docs/history/performance-decode.md).
 constexpr int kLaneRowsZmm = 32;
+// The row count from which tk.linear reads an fp32 weight group on the AVX-512 table, where the CPU
+// is not an AMD Zen 5 (Kernels::linear_group_rows_f32): on the AMD EPYC (Zen 4), 2 threads, cold
+// weights, N = 4096 and 16384, K = 2048, lane passes on the groups against the dot tiles in place
+// ran 0.88-1.08x at 2-16 rows and 1.04-1.16x at 20-31 (64 rows 1.17-1.24x, 128 1.11x, 256 1.08x,
+// 2048 1.05x). On the AMD EPYC Zen 5 (family 26), the same comparison: 1.17-1.20x at one row,
+// 1.22-1.49x at 2-8, 1.47-1.74x at 12-28 (N = 2048-16384; the dot tiles' 4 x 4 tiles reach 94
+// GFLOP/s a core hot there, the lane tiles 155-172), so its table reads them at every row count.
+constexpr int kLinearGroupRowsZmm = 20;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
@@ -261,6 +269,11 @@ struct Kernels {
   // weight_groups_bf16: linear_panel_bf16 reads bf16 groups (the AVX-512 table's one-row tiles on
   // the instruction).
   int group_rows_f32;
+  // The same for tk.linear (the dense linears and the LM head; ops.cpp): from this many rows a
+  // task reads the fp32 group it is given through the lane passes, fewer rows read the weight in
+  // place through the dot tiles. AVX2 kLaneRows (8); the AVX-512 table by CPU (isa_avx512bf16.cpp:
+  // 1 on AMD Zen 5, kLinearGroupRowsZmm elsewhere); 0 where group_rows_f32 is 0.
+  int linear_group_rows_f32;
   bool weight_groups_bf16;
   // The lane order of the fp32 groups this table reads (lane_group_pos; pack_weight_groups writes
   // it): lanes one after another (true: the AVX2 and portable tables) or in pairs (AVX-512).

@@ -36,6 +36,10 @@ TORCH_LIBRARY(tonp, m) {
   // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
   // (TONP_FORCE_PORTABLE=1, or no AVX2).
   m.def("isa() -> str", [] { return std::string(tonp::K()->name); });
+  // The row count from which this table's tk.linear reads an fp32 weight group it is given
+  // (Kernels::linear_group_rows_f32; 0: it reads none). A speed choice made per CPU: the bits are
+  // the same either way.
+  m.def("linear_group_rows() -> int", [] { return static_cast<int64_t>(tonp::K()->linear_group_rows_f32); });
   // The constants the Python side imports (tonp_kernels._library), defined here once: the most
   // reduction chunks a linear may use (kernels.h) and the float dtypes the kernels take (elem_of).
   m.def("max_chunks() -> int", [] { return static_cast<int64_t>(tonp::kMaxChunks); });

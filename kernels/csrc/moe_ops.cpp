@@ -192,7 +192,7 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
       const int gp = grouped ? kern->group_panels_f32 : 1;
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows)
                                                 : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped, gp));
-      XPack xpack(kern, pairs, max_rows, Kd, kc, we, grouped);  // a block's rows, for all its panels
+      XPack xpack(kern, pairs, max_rows, Kd, kc, we, grouped ? kern->group_rows_f32 : 0);  // a block's rows, for all its panels
       for (int64_t t = b; t < en;) {
         const int64_t bi = t / np, p = t % np;
         const Blk& k = blks[bi];

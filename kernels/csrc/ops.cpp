@@ -55,14 +55,11 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   // of this weight and chunks, a copy the caller keeps current): nothing is cached here, so a
   // weight rewritten in any way (optimizer step, .data copy, inference tensor) is always seen
   // when no groups are given. bf16 groups: the pair chains' one-row tiles read them, where the
-  // table does. fp32 groups: a task reads them where it runs lane passes anyway
-  // (linear_lane_passes), which then transpose no weight chunk; fewer rows stream the weight
-  // in place through the dot tiles, as fast or faster as one long stream. Measured on the AMD
-  // EPYC (Zen 4), 2 threads, cold weights, alternated: 64 rows 1.17-1.24x (N = 4096 and 16384,
-  // K = 2048: 194-199 GFLOP/s), 128 rows 1.11x, 256 1.08x, 2048 1.05x. Fewer rows through lane
-  // passes on the groups, against the dot tiles in place (N = 4096 and 16384, after the lane
-  // tiles kept their registers): 2-16 rows 0.88-1.08x, 20-31 rows 1.04-1.16x. fp32 x on bf16
-  // weights reads none. The same bits.
+  // table does. fp32 groups: a task reads them from the table's linear_group_rows_f32 rows, and
+  // wherever it runs lane passes anyway (linear_lane_passes), which then transpose no weight
+  // chunk; fewer rows stream the weight in place through the dot tiles (kernels.h has the
+  // measurements behind each table's row count). fp32 x on bf16 weights reads none. The same
+  // bits.
   const at::Tensor wc = w.contiguous();
   const Kernels* kern = K();
   const void* wg = weight_groups_of(weight_groups, w, chunks, "linear", "weight");
@@ -70,6 +67,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const int64_t gsz = weight_group_elems(Kd, chunks, welem), gc = weight_group_cols(welem);
   const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs ? bf16_row_block(M) : row_block(M, kern->row_block_f32);
   const int64_t np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
+  const int group_rows = grouped ? kern->linear_group_rows_f32 : 0;  // 0: no groups
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, ldx = chunks * xkc;
   const char* xp = static_cast<const char*>(x.data_ptr());
   const char* wp = static_cast<const char*>(wc.data_ptr());
@@ -84,14 +82,15 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     // (panels_a_call).
     const int gp = grouped ? kern->group_panels_f32 : 1;
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
-                                              : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32, false, gp));
-    XPack xpack(kern, pairs, rows_max, Kd, kc, welem);  // a row block's x, for all its panels
+                                              : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32,
+                                                             group_rows > 0 && rows_max >= group_rows, gp));
+    XPack xpack(kern, pairs, rows_max, Kd, kc, welem, group_rows);  // a row block's x, for all its panels
     for (int64_t t = begin; t < end;) {
       // bf16 pairs: a panel's row blocks run one after another (its packed weights come from
       // L2 after the first); fp32: a row block's panels.
       const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
-      const bool lanes = grouped && linear_lane_passes(rows, kc, welem, kern->lane_rows_f32);
+      const bool lanes = grouped && (rows >= group_rows || linear_lane_passes(rows, kc, welem, kern->lane_rows_f32));
       const int64_t take = panels_a_call(kern, lanes, t, end, N, p, pw);
       const int ncols = int(std::min<int64_t>(pw * take, N - p * pw));
       t += take;

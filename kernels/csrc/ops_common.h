@@ -154,20 +154,22 @@ inline Scratch scratch_floats(int64_t n) {
 // where linear_panel_bf16 runs dot products of two or more rows and the table packs them
 // (Kernels::pack_pairs). of(block, ...) returns the packing the call takes (null where the kernel
 // reads x in place), packing when the block differs from the last one packed. Built for blocks of
-// at most max_rows rows. grouped: fp32 arithmetic on fp32 weight groups, whose lane passes run
-// from the table's group_rows_f32 rows (linear_panel), so every such block is lane-packed.
+// at most max_rows rows. group_rows: fp32 arithmetic on fp32 weight groups, read in blocks of at
+// least this many rows (moe_experts: the table's group_rows_f32, linear: linear_group_rows_f32),
+// whose lane passes read x lane-packed; 0: no groups.
 class XPack {
  public:
-  XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem, bool grouped = false)
-      : kern_(kern), pairs_(pairs), kc_(kc), xkc_(bf16_chunk_stride(kc)), welem_(welem), grouped_(!pairs && grouped),
+  XPack(const Kernels* kern, bool pairs, int64_t max_rows, int64_t K, int64_t kc, Elem welem, int group_rows = 0)
+      : kern_(kern), pairs_(pairs), kc_(kc), xkc_(bf16_chunk_stride(kc)), welem_(welem),
+        group_rows_(pairs ? 0 : group_rows),
         on_(pairs ? kern->pack_pairs && max_rows > 1
-                  : grouped_ || linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
+                  : (group_rows_ > 0 && max_rows >= group_rows_) || linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
         buf_(scratch_floats(!on_ ? 0
                             : pairs ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), kc > 0 ? K / kc : 0, xkc_)
                                     : max_rows * K)) {}
   const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
     if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_)
-                         : (grouped_ && rows >= kern_->group_rows_f32) || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
+                         : (group_rows_ > 0 && rows >= group_rows_) || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
       return nullptr;
     if (block != packed_) {
       if (pairs_)
@@ -184,7 +186,7 @@ class XPack {
   bool pairs_;
   int64_t kc_, xkc_;
   Elem welem_;
-  bool grouped_;
+  int group_rows_;
   bool on_;
   Scratch buf_;
   int64_t packed_ = -1;
