@@ -106,14 +106,16 @@ def test_row_invariance_with_short_chunks(dtype, gen):
 
 def test_row_invariance_on_fp32_weight_groups(gen):
     """Given its fp32 weight groups, tk.linear reads them from a row count chosen per CPU
-    (torch.ops.tonp.linear_group_rows(): 1 on an AMD Zen 5, 20 on other AVX-512 CPUs, 8 on AVX2)
-    and in place below it: each row alone, among other rows and on another thread count gives the
-    same bits across those thresholds (the twin: test_stock_torch_linear_depends_on_the_batch)."""
+    (torch.ops.tonp.linear_group_rows(): 1 on an AMD Zen 5, 2 on Intel, 20 on other AVX-512
+    CPUs, 8 on AVX2) and in place below it, in row blocks whose lane-packed x fits a per-CPU
+    budget (kernels.h group_row_block: 64 rows at K = 2048 on Intel, else 256): each row alone,
+    among other rows and on another thread count gives the same bits across those thresholds
+    (the twin: test_stock_torch_linear_depends_on_the_batch)."""
     K, N = 2048, 48
     w, _ = _weights(K, N, torch.float32, gen)
     groups = tk.pack_weight_groups(w)
     f = lambda x: tk.linear(x, w, weight_groups=groups)  # noqa: E731
-    for M in (1, 2, 7, 8, 9, 19, 20, 21, 31, 32, 33, 64):
+    for M in (1, 2, 3, 7, 8, 9, 19, 20, 21, 31, 32, 33, 64, 65, 129):
         check_row_invariance(f, lambda n: [randn(n, K, gen=gen)], M, seed=M)
     x = randn(21, K, gen=gen)
     assert_bitwise(f(x), tk.linear(x, w), "groups against the weight in place")

@@ -55,15 +55,23 @@ static bool self_check(const tonp::Kernels* emu) {
   return true;
 }
 
-// Whether this CPU is an AMD Zen 5 or later (AuthenticAMD, family 0x1A or above), whose full-width
-// zmm FMAs make the lane tiles the faster fp32 linear at every row count (kernels.h,
-// kLinearGroupRowsZmm). Only which path runs depends on it, never a bit.
+// Whether this CPU's vendor (cpuid leaf 0) is the one named; whether it is an Intel CPU; whether
+// it is an AMD Zen 5 or later (AuthenticAMD, family 0x1A or above), whose full-width zmm FMAs make
+// the lane tiles the faster fp32 linear at every row count (kernels.h, kLinearGroupRowsZmm). Only
+// which path runs, and which rows share a task, depend on them, never a bit.
+static bool vendor_is(unsigned b0, unsigned d0, unsigned c0) {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  return __get_cpuid(0, &a, &b, &c, &d) && b == b0 && d == d0 && c == c0;
+#else
+  return false;
+#endif
+}
+static bool intel_cpu() { return vendor_is(0x756e6547u, 0x49656e69u, 0x6c65746eu); }  // "GenuineIntel"
 static bool amd_zen5_or_later() {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  if (!vendor_is(0x68747541u, 0x69746e65u, 0x444d4163u) || !__get_cpuid(1, &a, &b, &c, &d)) return false;  // "AuthenticAMD"
   const unsigned base = (a >> 8) & 0xf, ext = (a >> 20) & 0xff;
   return (base == 0xf ? base + ext : base) >= 0x1a;
 #else
@@ -89,7 +97,12 @@ const Kernels* kernels_avx512bf16() {
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
-    t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1 : tonp::kLinearGroupRowsZmm;  // kernels.h
+    t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1
+                              : tonp_avx512bf16::intel_cpu()     ? tonp::kLinearGroupRowsIntel
+                                                                 : tonp::kLinearGroupRowsZmm;  // kernels.h
+    // On Intel, row blocks on fp32 groups whose lane-packed x fits in a quarter of the 2 MB L2
+    // (kernels.h, kGroupBlockBytesIntel).
+    t.group_block_bytes_f32 = tonp_avx512bf16::intel_cpu() ? tonp::kGroupBlockBytesIntel : 0;
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
     t.group_panels_f32 = 1;

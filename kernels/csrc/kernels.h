@@ -29,6 +29,24 @@ constexpr int kLaneRowsZmm = 32;
 // 1.22-1.49x at 2-8, 1.47-1.74x at 12-28 (N = 2048-16384; the dot tiles' 4 x 4 tiles reach 94
 // GFLOP/s a core hot there, the lane tiles 155-172), so its table reads them at every row count.
 constexpr int kLinearGroupRowsZmm = 20;
+// The same on an Intel CPU (GenuineIntel; the AVX-512 table runs only where AVX512-BF16 is:
+// Cooper Lake, Sapphire Rapids and later). Measured on an Intel Xeon with AMX (family 6, model
+// 167 as its VM reports it), 2 threads, cold weights (1.2 GB cycled), K = 2048 and 4096, N =
+// 2048-16384, a run-time switch alternated in one process, every output equal: lane passes on
+// the groups against the dot tiles in place 0.89-0.94x at one row, 1.15-1.26x at 2, 0.97-1.14x
+// at 3, 0.77-1.06x at 4 (both at the bus's 24 GB/s there), 1.11-1.22x at 5-6, 1.23-1.32x at 8,
+// 1.30-1.49x at 12-19 (the dot tiles 74-111 GFLOP/s, the lane tiles 110-161).
+constexpr int kLinearGroupRowsIntel = 2;
+// The bytes of lane-packed x a row block on fp32 weight groups may take on Intel
+// (Kernels::group_block_bytes_f32; elsewhere no cap): a quarter of its 2 MB L2, so that the x
+// every panel of the block re-reads stays there (256 rows at K = 2048 had filled it). Same Xeon,
+// whole fp32 linears on their groups, 2 threads, alternated in one process, every output equal.
+// Fixed row blocks against 256 rows, M = 512-2048: at K = 2048 (N = 1536, 4096) 64 rows
+// 1.14-1.26x, 128 rows 1.06-1.19x, 32 rows 1.13-1.18x; at K = 4096 32 and 64 rows 1.17-1.24x,
+// 128 rows 1.01-1.05x; at K = 768 every block 0.96-1.03x. This cap against none (group_row_block),
+// M = 192-2048: K = 2048 1.10-1.27x, K = 4096 1.17-1.31x, K = 768 1.00-1.08x; the 16384-column LM
+// head 0.96-0.99x (its 128 MB weight read once more per block).
+constexpr int64_t kGroupBlockBytesIntel = 512 << 10;
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
@@ -258,6 +276,13 @@ struct Kernels {
   // more rows amortise that), the portable build kRowBlock. Which rows share a task never
   // changes a bit.
   int row_block_f32;
+  // On fp32 weight groups (tk.linear given them: lane passes, no weight chunk transposed per
+  // task, so short row blocks cost no extra work), the row block is also capped so that its
+  // lane-packed x, rows * K floats read once by every panel of the block, takes at most this
+  // many bytes (group_row_block); 0: no cap (row_block_f32 alone). moe_experts keeps
+  // row_block_f32 (on the Intel Xeon the cap measured level there: 256-512 rows an expert
+  // 1.02-1.03x).
+  int64_t group_block_bytes_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).
@@ -272,7 +297,8 @@ struct Kernels {
   // The same for tk.linear (the dense linears and the LM head; ops.cpp): from this many rows a
   // task reads the fp32 group it is given through the lane passes, fewer rows read the weight in
   // place through the dot tiles. AVX2 kLaneRows (8); the AVX-512 table by CPU (isa_avx512bf16.cpp:
-  // 1 on AMD Zen 5, kLinearGroupRowsZmm elsewhere); 0 where group_rows_f32 is 0.
+  // 1 on AMD Zen 5, kLinearGroupRowsIntel on Intel, kLinearGroupRowsZmm elsewhere); 0 where
+  // group_rows_f32 is 0.
   int linear_group_rows_f32;
   bool weight_groups_bf16;
   // The lane order of the fp32 groups this table reads (lane_group_pos; pack_weight_groups writes
@@ -294,6 +320,19 @@ struct Kernels {
   float (*row_max)(const void* x, int64_t V, Elem e, float temperature, float* y, bool* nan);
   int64_t (*gumbel_argmax)(const float* y, const int64_t* ids, int64_t n, uint64_t key, float* score);
 };
+
+// The row-block cap of a tk.linear call of `rows` rows and reduction length K
+// on fp32 weight groups: row_block_f32, lowered to fit group_block_bytes_f32 (a multiple of 8
+// rows, the AVX-512 lane tile, and at least 32) when there are more than kGroupBlockWholeRows
+// rows; fewer stay one block (on the Intel Xeon, 128 rows cut in two ran 0.95-1.07x: the LM head
+// and 128 rows an expert 0.95x). Which rows share a task never changes a bit.
+constexpr int64_t kGroupBlockWholeRows = 128;
+inline int64_t group_row_block(const Kernels* k, int64_t rows, int64_t K) {
+  const int64_t cap = k->row_block_f32;
+  if (k->group_block_bytes_f32 <= 0 || K <= 0 || rows <= kGroupBlockWholeRows) return cap;
+  const int64_t fit = k->group_block_bytes_f32 / (4 * K) / 8 * 8;
+  return fit >= cap ? cap : fit < 32 ? 32 : fit;
+}
 
 // Whether table k reads weight groups of a weight of dtype w (pack_weight_groups makes none where
 // it does not).
