@@ -346,10 +346,13 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 // of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
 // an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
 // 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
-// 81); 128 tokens 82-89 against 94-98 (slow bus). One row (16 tokens: one or two rows an expert)
-// level with or without, so it prefetches nothing.
+// 81); 128 tokens 82-89 against 94-98 (slow bus). One-row tiles 8 KB ahead too: on the Zen 4
+// one row (16 tokens: one or two rows an expert) had run level with or without; on an Intel Xeon
+// (AMX; 2 threads, 128 cold experts in three layers cycled, top-8 of random routing, a run-time
+// switch alternated in one process) 8, 16 and 32 tokens 1.08x, 1.06x, 1.04x (26-27 -> 28 GB/s;
+// 4 KB and 16 KB ahead the same).
 constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
-inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : rows >= 2 ? kGroupAheadSmall : 0; }
+inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : kGroupAheadSmall; }
 
 // A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
 // dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
