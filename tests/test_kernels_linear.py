@@ -122,6 +122,27 @@ def test_row_invariance_on_fp32_weight_groups(gen):
     check_thread_invariance(f, x, what="linear on fp32 groups, M=21")
 
 
+def test_large_fp32_calls_pack_their_groups_with_the_same_bits(gen):
+    """On Intel a call of at least 512 rows on an fp32 weight given without its groups packs them
+    itself (kernels.h kLinearPackRowsIntel, when K >= 2048), where fewer rows read the weight in
+    place: each row alone and among other rows, across that threshold, gives the same bits, as do
+    the groups passed in and the portable build (the twin:
+    test_stock_torch_linear_depends_on_the_batch)."""
+    K, N = 2048, 56  # three whole panels and an edge panel of eight columns (read in place)
+    w, b = _weights(K, N, torch.float32, gen, bias=True)
+    f = lambda x: tk.linear(x, w, b)  # noqa: E731
+    for M in (511, 512):
+        check_row_invariance(f, lambda n: [randn(n, K, gen=gen)], M, seed=M)
+    x = randn(600, K, gen=gen)
+    groups = tk.pack_weight_groups(w)
+    if groups is not None:
+        assert_bitwise(f(x), tk.linear(x, w, b, weight_groups=groups), "packed in the call against passed in")
+    with env("TONP_FORCE_PORTABLE", "1"):
+        portable = f(x)
+    assert_bitwise(f(x), portable, "native against portable")
+    check_thread_invariance(f, x, what="linear fp32, M=600")
+
+
 def test_stock_torch_linear_depends_on_the_batch(torch_mode, gen):
     """The twin: F.linear(x[:m]) != F.linear(x)[:m] for some m in fp32 (MKL picks its algorithm
     by M), so the invariance tests above can fail."""

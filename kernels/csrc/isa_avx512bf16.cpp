@@ -103,6 +103,7 @@ const Kernels* kernels_avx512bf16() {
     // On Intel, row blocks on fp32 groups whose lane-packed x fits in a quarter of the 2 MB L2
     // (kernels.h, kGroupBlockBytesIntel).
     t.group_block_bytes_f32 = tonp_avx512bf16::intel_cpu() ? tonp::kGroupBlockBytesIntel : 0;
+    t.linear_pack_rows_f32 = tonp_avx512bf16::intel_cpu() ? tonp::kLinearPackRowsIntel : 0;
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
     t.group_panels_f32 = 1;

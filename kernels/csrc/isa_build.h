@@ -9,10 +9,10 @@ static const tonp::Kernels kTable = {
     log_n, linear_panel_bf16, bf16_pair_step, gemm, gemm_bf16out, grad_to_bf16, swiglu_grad, pack_lanes,
     kLaneRowsBuild,
 #if TONP_AVX2
-    tonp::kRowBlockF32, 0, nullptr, kGroupRowsBuild, kLaneRowsBuild, false,  // no row-block cap on fp32 groups, read from four rows (linear: eight); no bf16 ones
+    tonp::kRowBlockF32, 0, 0, nullptr, kGroupRowsBuild, kLaneRowsBuild, false,  // no row-block cap on fp32 groups, read from four rows (linear: eight); no bf16 ones
     kGroupLaneRuns, 2,  // their lanes one after another; two panels a call (linear_panels_streamed2)
 #else
-    tonp::kRowBlock, 0, nullptr, 0, 0, false,  // no groups; no row-block cap on them
+    tonp::kRowBlock, 0, 0, nullptr, 0, 0, false,  // no groups; no row-block cap on them
     kGroupLaneRuns, 1,
 #endif
     row_max_f, gumbel_argmax,

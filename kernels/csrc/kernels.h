@@ -47,6 +47,16 @@ constexpr int kLinearGroupRowsIntel = 2;
 // M = 192-2048: K = 2048 1.10-1.27x, K = 4096 1.17-1.31x, K = 768 1.00-1.08x; the 16384-column LM
 // head 0.96-0.99x (its 128 MB weight read once more per block).
 constexpr int64_t kGroupBlockBytesIntel = 512 << 10;
+// The rows from which tk.linear on Intel packs the groups of an fp32 weight given without them
+// (Kernels::linear_pack_rows_f32; elsewhere never), when group_row_block would cut its row blocks
+// to half of row_block_f32 or less (K >= 2048 there): the 512 KB blocks then cost no transpose
+// per block. Same Xeon, 2 threads, alternated in one process, every output equal, against the
+// weight in place: K = 2048 (N = 512-4096) 1.07-1.14x at 512 rows, 1.16-1.27x at 2048; K = 4096
+// 1.09x / 1.26x; the 16384-column LM head 0.98x / 1.06x; 128 rows 0.67-0.75x and 256 rows
+// 0.88-1.07x (the pack, a pass over the weight, weighs more); K = 768, where the blocks are not
+// cut, 0.85-0.97x at 256-2048 rows, so it is not packed.
+constexpr int kLinearPackRowsIntel = 512;
+constexpr int64_t kPackInCallMaxBytes = int64_t(256) << 20;  // the largest weight a call packs (a 256 MB copy)
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
 constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h): lane passes from here
@@ -283,6 +293,11 @@ struct Kernels {
   // row_block_f32 (on the Intel Xeon the cap measured level there: 256-512 rows an expert
   // 1.02-1.03x).
   int64_t group_block_bytes_f32;
+  // tk.linear on an fp32 weight given without its groups: from this many rows (0: never) the call
+  // packs the groups itself, once, for its lane passes (pack_weight_groups' layout; weights of at
+  // most kPackInCallMaxBytes, where group_row_block cuts the blocks to half of row_block_f32 or
+  // less), where each row block's task would transpose every weight chunk again. The same bits.
+  int linear_pack_rows_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
   // whose linear_panel_bf16 reads x in place (the emulated builds).

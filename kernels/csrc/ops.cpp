@@ -23,6 +23,26 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Ops
 // ---------------------------------------------------------------------------------------------
+// An fp32 weight W [N, K] (row stride K) as pack_weight_groups lays it out for the table (whole
+// panels of kPanel columns; runs: Kernels::group_lane_runs), into g: element k of chunk c of
+// column 16p + j at ((p * chunks + c) * kc + lane_group_pos(k)) * 16 + j. An exact copy, panel by
+// panel on the intra-op threads.
+void pack_f32_groups(const float* W, int64_t N, int64_t K, int64_t chunks, bool runs, float* g) {
+  const int64_t kc = K / chunks, panels = N / kPanel;
+  std::vector<int64_t> pos(kc);
+  for (int64_t k = 0; k < kc; ++k) pos[k] = lane_group_pos(kc, k, runs) * kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* d = g + (p * chunks + c) * kc * kPanel;
+        for (int j = 0; j < kPanel; ++j) {
+          const float* src = W + (p * kPanel + j) * K + c * kc;
+          for (int64_t k = 0; k < kc; ++k) d[pos[k] + j] = src[k];
+        }
+      }
+  });
+}
+
 at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t chunks, std::optional<at::ScalarType> out_dtype, const std::optional<at::Tensor>& weight_groups) {
   TORCH_CHECK_VALUE(x_.dim() == 2 && w.dim() == 2 && x_.size(1) == w.size(1), "tonp.linear: x ", x_.sizes(), " and weight ",
@@ -63,6 +83,14 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const at::Tensor wc = w.contiguous();
   const Kernels* kern = K();
   const void* wg = weight_groups_of(weight_groups, w, chunks, "linear", "weight");
+  at::Tensor packed;  // fp32 groups this call packs for itself (Kernels::linear_pack_rows_f32)
+  if (!wg && !pairs && welem == Elem::F32 && kern->linear_pack_rows_f32 > 0 && M >= kern->linear_pack_rows_f32 &&
+      N >= kPanel && N * Kd * 4 <= kPackInCallMaxBytes && reads_weight_groups(kern, welem) &&
+      2 * group_row_block(kern, M, Kd) <= kern->row_block_f32) {
+    packed = empty_big({N / kPanel * kPanel * Kd}, wc.options());
+    pack_f32_groups(wc.data_ptr<float>(), N, Kd, chunks, kern->group_lane_runs, packed.data_ptr<float>());
+    wg = packed.data_ptr();
+  }
   const bool grouped = wg && !pairs && welem == Elem::F32;
   const int64_t gsz = weight_group_elems(Kd, chunks, welem), gc = weight_group_cols(welem);
   const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs      ? bf16_row_block(M)
