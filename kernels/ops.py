@@ -32,7 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     (and remakes whenever the weight changes): the CPU kernels read it where their table reads
     groups (fp32: the lane passes, which then transpose no weight per task; bf16 x bf16: the
     one-row tiles). The same bits with or without; a training forward (any tensor requiring
-    grad) and other backends read the weight in place.
+    grad) and other backends read the weight in place. (Where the table says so, Intel from 512
+    rows, a large fp32 call given none packs a transient copy itself: kernels.h.)
     """
     chunks = check.integer(chunks, op="linear", name="chunks")
     fn = impl("linear", x, weight, bias)

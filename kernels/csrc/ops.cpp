@@ -93,8 +93,8 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   }
   const bool grouped = wg && !pairs && welem == Elem::F32;
   const int64_t gsz = weight_group_elems(Kd, chunks, welem), gc = weight_group_cols(welem);
-  const int64_t pw = pairs ? kPanelPairs : kPanel, rb = pairs      ? bf16_row_block(M)
-                                                               : row_block(M, grouped ? group_row_block(kern, M, Kd) : kern->row_block_f32);
+  const int64_t pw = pairs ? kPanelPairs : kPanel;
+  const int64_t rb = pairs ? bf16_row_block(M) : row_block(M, grouped ? group_row_block(kern, M, Kd) : kern->row_block_f32);
   const int64_t np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
   const int group_rows = grouped ? kern->linear_group_rows_f32 : 0;  // 0: no groups
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, ldx = chunks * xkc;
