@@ -161,7 +161,7 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
   const int64_t gc = weight_group_cols(we), G = N / gc;
   if (!reads_weight_groups(K(), we) || G == 0 || Kd == 0) return at::empty({0}, w.options());
   const int64_t lead = w.numel() / (N * Kd), kc = Kd / chunks, xkc = group_chunk_stride(kc, we);
-  at::Tensor v = w.detach().contiguous().reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
+  const at::Tensor src = w.detach().contiguous();
   const bool runs = K()->group_lane_runs;
   const std::vector<int64_t> shape = weight_groups_shape(w, chunks, runs);
   if (we == Elem::F32) {  // each chunk's k's in the table's lane order (kernels.h lane_group_pos)
@@ -169,12 +169,12 @@ at::Tensor pack_weight_groups(const at::Tensor& w, int64_t chunks) {
     // by matrix. It had been an ATen index_select of the permuted view; on the Intel Xeon, 2
     // threads, best of 4: 16384 x 2048 387 -> 30 ms, 32 experts' gate_up 1014 -> 84 ms and down
     // 274 -> 64 ms, 4096 x 2048 73 -> 45 ms (its fresh pages' faults dominate there).
-    const at::Tensor src = w.detach().contiguous();
     at::Tensor out = empty_huge({lead, G, chunks, kc, gc}, w.options());
     for (int64_t e = 0; e < lead; ++e)
       pack_f32_groups(src.data_ptr<float>() + e * N * Kd, G * gc, Kd, chunks, runs, out.data_ptr<float>() + e * G * gc * Kd);
     return out.view(shape);
   }
+  at::Tensor v = src.reshape({lead, N, Kd}).narrow(1, 0, G * gc).reshape({lead, G, gc, chunks, kc});
   if (xkc != kc) v = at::constant_pad_nd(v, {0, xkc - kc});
   at::Tensor out = empty_huge(shape, w.options());
   out.view({lead, G, chunks, xkc / 16, gc, 16}).copy_(v.reshape({lead, G, gc, chunks, xkc / 16, 16}).permute({0, 1, 3, 4, 2, 5}));
