@@ -108,7 +108,7 @@ def test_row_invariance_on_fp32_weight_groups(gen):
     """Given its fp32 weight groups, tk.linear reads them from a row count chosen per CPU
     (torch.ops.tonp.linear_group_rows(): 1 on an AMD Zen 5, 2 on Intel, 20 on other AVX-512
     CPUs, 8 on AVX2) and in place below it, in row blocks whose lane-packed x fits a per-CPU
-    budget (kernels.h group_row_block: 64 rows at K = 2048 on Intel, else 256): each row alone,
+    budget (kernels.h group_row_block: 60 rows at K = 2048 on Intel, else 256): each row alone,
     among other rows and on another thread count gives the same bits across those thresholds
     (the twin: test_stock_torch_linear_depends_on_the_batch)."""
     K, N = 2048, 48
@@ -141,6 +141,30 @@ def test_large_fp32_calls_pack_their_groups_with_the_same_bits(gen):
         portable = f(x)
     assert_bitwise(f(x), portable, "native against portable")
     check_thread_invariance(f, x, what="linear fp32, M=600")
+
+
+@pytest.mark.parametrize("K,N,chunks", [(768, 80, 8), (256, 56, 1), (4096, 48, 8)])
+def test_two_panel_lane_tiles_give_the_portable_bits(K, N, chunks, gen):
+    """On Intel, fp32 lane passes take two adjacent whole panels a call in tiles of 6 rows
+    (kernels.h kLanePanelsIntel, kPairTileRows) on chunks of at most 256 (kPairTileMaxKc; longer
+    chunks keep one panel and 8-row tiles), in place and on groups, and row blocks cut to a byte
+    cap hold whole tiles. Chunks of 96, exactly 256 and 512; five panels (two pairs and one alone)
+    and three plus an edge panel of eight columns; row counts around the 6-row tiles, the
+    lane-pass threshold and the 256-row blocks: each row alone and among others, with and
+    without groups, gives the portable build's bits (the twin:
+    test_stock_torch_linear_depends_on_the_batch)."""
+    w, b = _weights(K, N, torch.float32, gen, bias=True)
+    groups = tk.pack_weight_groups(w, chunks)
+    f = lambda x: tk.linear(x, w, b, chunks=chunks)  # noqa: E731
+    fg = lambda x: tk.linear(x, w, b, chunks=chunks, weight_groups=groups)  # noqa: E731
+    for M in (6, 13, 33, 257):
+        check_row_invariance(f, lambda n: [randn(n, K, gen=gen)], M, seed=M)
+    x = randn(600, K, gen=gen)
+    with env("TONP_FORCE_PORTABLE", "1"):
+        want = {m: f(x[:m]) for m in (1, 5, 6, 7, 12, 31, 32, 37, 97, 257, 600)}
+    for m, ref in want.items():
+        assert_bitwise(f(x[:m]), ref, f"K={K} M={m} in place vs portable")
+        assert_bitwise(fg(x[:m]), ref, f"K={K} M={m} on groups vs portable")
 
 
 def test_stock_torch_linear_depends_on_the_batch(torch_mode, gen):

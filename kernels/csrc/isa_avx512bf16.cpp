@@ -90,8 +90,13 @@ const Kernels* kernels_avx512bf16() {
     if (!tonp_avx512bf16::self_check(kernels_avx2())) return nullptr;
     static Kernels t = *kernels_avx2();
     t.name = TONP_ISA_NAME;
-    t.linear_panel = tonp_avx512bf16::linear_panel;
-    t.pack_lanes = tonp_avx512bf16::pack_lanes;  // packed for its 8-row zmm lane tiles
+    // On Intel, two panels a call where it runs fp32 lane passes, on groups or in place, in tiles
+    // of 6 rows (kernels.h, kLanePanelsIntel); elsewhere a panel at a time, tiles of 8.
+    const bool pair_tiles = tonp_avx512bf16::intel_cpu();
+    t.linear_panel = pair_tiles ? tonp_avx512bf16::linear_panel_pairs : tonp_avx512bf16::linear_panel;
+    t.pack_lanes = pair_tiles ? tonp_avx512bf16::pack_lanes_pairs : tonp_avx512bf16::pack_lanes;  // for its zmm lane tiles
+    t.group_panels_f32 = t.lane_panels_f32 = pair_tiles ? tonp::kLanePanelsIntel : 1;
+    t.lane_tile_rows = tonp_avx512bf16::kLaneTileRows;
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.row_block_f32 = tonp::kRowBlockF32;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
@@ -106,7 +111,6 @@ const Kernels* kernels_avx512bf16() {
     t.linear_pack_rows_f32 = tonp_avx512bf16::intel_cpu() ? tonp::kLinearPackRowsIntel : 0;
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
-    t.group_panels_f32 = 1;
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
     t.gemm = tonp_avx512bf16::gemm_hw;
     t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;

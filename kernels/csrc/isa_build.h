@@ -10,10 +10,10 @@ static const tonp::Kernels kTable = {
     kLaneRowsBuild,
 #if TONP_AVX2
     tonp::kRowBlockF32, 0, 0, nullptr, kGroupRowsBuild, kLaneRowsBuild, false,  // no row-block cap on fp32 groups, read from four rows (linear: eight); no bf16 ones
-    kGroupLaneRuns, 2,  // their lanes one after another; two panels a call (linear_panels_streamed2)
+    kGroupLaneRuns, 2, 1, kLaneTileRows,  // their lanes one after another; two panels a call (linear_panels_streamed2); in place one
 #else
     tonp::kRowBlock, 0, 0, nullptr, 0, 0, false,  // no groups; no row-block cap on them
-    kGroupLaneRuns, 1,
+    kGroupLaneRuns, 1, 1, kLaneTileRows,
 #endif
     row_max_f, gumbel_argmax,
 };

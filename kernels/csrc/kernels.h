@@ -56,6 +56,26 @@ constexpr int64_t kGroupBlockBytesIntel = 512 << 10;
 // 0.88-1.07x (the pack, a pass over the weight, weighs more); K = 768, where the blocks are not
 // cut, 0.85-0.97x at 256-2048 rows, so it is not packed.
 constexpr int kLinearPackRowsIntel = 512;
+// Whole panels a call running fp32 lane passes takes on Intel, on groups or in place
+// (Kernels::group_panels_f32, lane_panels_f32; elsewhere 1, the AVX2 table's groups 2): the
+// AVX-512 build's two-panel tiles of kPairTileRows rows, 24 accumulators, each broadcast of x
+// feeding two FMAs (per step 4 weight loads and 12 broadcasts for 24 FMAs; a panel at a time, 8
+// rows: 2 and 16 for 16, bound by the loads). On the Intel Xeon (family 6, model 167), 2 threads,
+// against a panel at a time in one process, alternated call by call, medians of 30-40 pairs,
+// every output byte equal: tk.linear fp32 256 x 2048 x 1536 in place 1.13-1.23x, 512 x 768 x 2048
+// 1.02-1.03x, 2048 x 768 x 2048 1.01-1.02x, 512 x 2048 x 4096 1.02-1.03x, 2048 x 2048 x 1536
+// (packed in the call) 1.01-1.03x, on groups 64-128 rows 1.03-1.05x, 2-16 rows 0.94-1.09x
+// (cold, noisy); moe_experts fp32 (128 experts of 30B-A3B, top-8) at 1, 4, 8, 32 and 256 rows an
+// expert 1.03x, 1.05x, 1.05x, 1.04x, 1.06x; the fp32 decode of the 2-layer 30B-A3B-shaped model
+// (64-token prompts, 32 new tokens) at batch 16 level (its decode steps 1.06x), 64 1.04x, 128
+// 1.04x. In L1 alone the tile ran 1.05-1.09x the 8-row one (132 / 156 GFLOP/s against 126 / 146
+// on one thread, chunks of 96 / 256).
+constexpr int kLanePanelsIntel = 2;
+// The two-panel tiles' rows, and the longest chunk they run on: longer chunks keep the one-panel
+// tiles of 8 rows (lane_tile_rows). Same machine: at K = 4096 (chunks of 512, 64 KB of two
+// panels' weights, more than the 48 KB L1) 6-row tiles ran 0.92-0.94x at 512-2048 rows.
+constexpr int kPairTileRows = 6;
+constexpr int64_t kPairTileMaxKc = 256;
 constexpr int64_t kPackInCallMaxBytes = int64_t(256) << 20;  // the largest weight a call packs (a 256 MB copy)
 constexpr int kLaneRowsBf16 = 20;  // the same for bf16 weights (linear_impl.h)
 constexpr int kPanelPairs = 64;  // output columns per bf16 x bf16 linear task (bf16dot*.h)
@@ -227,7 +247,9 @@ struct Kernels {
   // floats): from group_rows_f32 rows the call then runs lane passes on it (xl required) and
   // reads no W. Null: W in place. The same bits either way. With groups, ncols may be up to
   // kPanel * group_panels_f32 (whole panels, their groups one after another from wgroups; the
-  // scratch linear_scratch(..., true, group_panels_f32)): the same outputs as a call per panel.
+  // scratch linear_scratch(..., true, group_panels_f32)), and in place, running fp32 lane passes,
+  // up to kPanel * lane_panels_f32 (the scratch linear_scratch(..., lane_panels_f32)): the same
+  // outputs as a call per panel.
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
@@ -276,7 +298,8 @@ struct Kernels {
   void (*swiglu_grad)(const void* gate, const void* up, const float* dh, void* dg, void* du, int64_t n, Elem e);
   // The rows [0, rows) of x (fp32, row stride ldx, K = chunks * kc) lane-packed for
   // linear_panel's lane passes: rows * K floats at xl, made once per row block and read by every
-  // panel of it (in the order of the build's lane tiles: four rows, AVX-512 eight).
+  // panel of it (in the order of the build's lane tiles: four rows, AVX-512 eight; its table on
+  // Intel six for chunks of at most kPairTileMaxKc, tile_rows_for).
   void (*pack_lanes)(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl);
   // The row count from which linear_panel runs lane passes with fp32 weights (linear_lane_passes):
   // kLaneRows, the AVX-512 build kLaneRowsZmm. Which path runs never changes a bit.
@@ -323,8 +346,16 @@ struct Kernels {
   // kPanel * group_panels_f32, wgroups the first panel's group and the others following it
   // (pack_weight_groups' layout). The AVX2 table 2: at group_rows_f32 to 12 rows it streams the
   // two panels' groups side by side, two streams, each lane's pass on the first then on the
-  // second (the same passes; only their order differs), more rows a panel at a time. Others 1.
+  // second (the same passes; only their order differs), more rows a panel at a time. The AVX-512
+  // table on Intel 2 (kLanePanelsIntel: its two-panel tiles). Others 1.
   int group_panels_f32;
+  // The same where a call runs fp32 lane passes on W in place (linear_lane_passes; fp32 x and W):
+  // ncols up to kPanel * lane_panels_f32, whole panels. The AVX-512 table on Intel 2, others 1.
+  int lane_panels_f32;
+  // The rows of the lane tiles (pack_lanes' tiles): 4 in the AVX2 and portable tables, 8 in the
+  // AVX-512 one; where lane_panels_f32 > 1, chunks of at most kPairTileMaxKc take the two-panel
+  // tiles' kPairTileRows instead (tile_rows_for).
+  int lane_tile_rows;
   // The vocabulary ops' row passes (vocab_ops.cpp). row_max: the largest x[i] / T of a row of V
   // (T = 1: x[i]), NaN skipped, a zero maximum as +0 (-inf: no value but NaN or -inf); y (null:
   // none) receives the x[i] / T, *nan (null: none) whether one was NaN. gumbel_argmax: sample's
@@ -337,16 +368,21 @@ struct Kernels {
 };
 
 // The row-block cap of a tk.linear call of `rows` rows and reduction length K
-// on fp32 weight groups: row_block_f32, lowered to fit group_block_bytes_f32 (a multiple of 8
-// rows, the AVX-512 lane tile, and at least 32) when there are more than kGroupBlockWholeRows
+// on fp32 weight groups: row_block_f32, lowered to fit group_block_bytes_f32 (whole lane tiles,
+// lane_tile_rows, and at least 32 rows, or 30 in tiles of 6) when there are more than kGroupBlockWholeRows
 // rows; fewer stay one block (on the Intel Xeon, 128 rows cut in two ran 0.95-1.07x: the LM head
 // and 128 rows an expert 0.95x). Which rows share a task never changes a bit.
 constexpr int64_t kGroupBlockWholeRows = 128;
-inline int64_t group_row_block(const Kernels* k, int64_t rows, int64_t K) {
+// The rows of table k's lane tiles on chunks of kc (Kernels::lane_tile_rows).
+inline int tile_rows_for(const Kernels* k, int64_t kc) {
+  return k->lane_panels_f32 > 1 && kc <= kPairTileMaxKc ? kPairTileRows : k->lane_tile_rows;
+}
+inline int64_t group_row_block(const Kernels* k, int64_t rows, int64_t K, int64_t chunks) {
   const int64_t cap = k->row_block_f32;
   if (k->group_block_bytes_f32 <= 0 || K <= 0 || rows <= kGroupBlockWholeRows) return cap;
-  const int64_t fit = k->group_block_bytes_f32 / (4 * K) / 8 * 8;
-  return fit >= cap ? cap : fit < 32 ? 32 : fit;
+  const int64_t tr = tile_rows_for(k, K / chunks), least = std::max<int64_t>(tr, 32 / tr * tr);
+  const int64_t fit = k->group_block_bytes_f32 / (4 * K) / tr * tr;
+  return fit >= cap ? cap : fit < least ? least : fit;
 }
 
 // Whether table k reads weight groups of a weight of dtype w (pack_weight_groups makes none where

@@ -41,7 +41,8 @@ static inline void prefetch_w(uintptr_t a) { __builtin_prefetch(reinterpret_cast
 // linear_lane_passes), lane passes: the chunk's weights transposed, and for each lane l an outer
 // product over its k's, sixteen outputs of a row in two vectors (4x16 tiles), closed by the same
 // tree across the eight lane vectors (the AVX-512 build: 8x16 tiles, a row's sixteen outputs in one
-// zmm), x read lane-packed (pack_lanes, once per row block).
+// zmm; its table on Intel 6x32 tiles on two panels, linear_panels2), x read lane-packed
+// (pack_lanes, once per row block).
 // The layout, the tile, the loop order and the row block are chosen from the task's row count:
 // they change which outputs are computed side by side, never the FMA chains, the hsum tree or
 // the chunk tree of an output. The row-invariance tests (M = 1 ... 301) cross every threshold.
@@ -237,23 +238,34 @@ static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, i
   }
 }
 
-static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
-                         int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
-                         Elem oelem, float* scratch, const float* xl, const float* wgroups) {
-  if (ncols > kPanel) {  // whole panels on their groups (Kernels::group_panels_f32)
+// TR: the lane tiles' rows, the layout of xl (pack_lanes_tiled<TR>): kLaneTileRows; the AVX-512
+// table on Intel kLaneTileRowsPair.
+template <int TR>
+static void linear_panel_tiled(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
+                               int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
+                               Elem oelem, float* scratch, const float* xl, const float* wgroups) {
+  if (ncols > kPanel) {  // whole panels (Kernels::group_panels_f32, lane_panels_f32)
 #if !defined(TONP_AVX512)
     const StreamPlan plan(wgroups, kc, rows);
     if (welem == Elem::F32 && ncols == 2 * kPanel && rows >= kGroupRowsBuild && rows <= kTwoPanelRows && plan.on) {
       linear_panels_streamed2(plan, xl, rows, kc, chunks, scratch, wgroups, bias, out, ldo, oelem);
       return;
     }
+#else
+    if (TR == kLaneTileRowsPair && welem == Elem::F32 && ncols == 2 * kPanel && kc > 8 &&
+        (wgroups ? rows >= kGroupRowsBuild : tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild))) {
+      float* wt = scratch + 2 * int64_t(chunks) * rows * kPanel;  // [2][kc, 16] (W in place)
+      linear_panels2<TR>(xl, rows, static_cast<const float*>(W), ldw, kc, chunks, scratch, wt, wgroups, bias, out,
+                         ldo, oelem);
+      return;
+    }
 #endif
     const int64_t wsz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, gsz = kc * chunks * kPanel;
     for (int n = 0; n < ncols; n += kPanel) {  // a panel at a time
       const int nc = std::min(kPanel, ncols - n);
-      linear_panel(x, ldx, rows, static_cast<const char*>(W) + n * ldw * wsz, ldw, welem, kc, chunks,
-                   bias ? bias + n : nullptr, nc, static_cast<char*>(out) + n * osz, ldo, oelem, scratch, xl,
-                   wgroups && nc == kPanel ? wgroups + n / kPanel * gsz : nullptr);
+      linear_panel_tiled<TR>(x, ldx, rows, static_cast<const char*>(W) + n * ldw * wsz, ldw, welem, kc, chunks,
+                             bias ? bias + n : nullptr, nc, static_cast<char*>(out) + n * osz, ldo, oelem, scratch, xl,
+                             wgroups && nc == kPanel ? wgroups + n / kPanel * gsz : nullptr);
     }
     return;
   }
@@ -267,11 +279,11 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
   const bool lanes = wg || tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (lanes) {  // stored from the chunk tree's result (store_rows)
     if (welem == Elem::F32)
-      linear_rows_blocked(x, ldx, xl, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, pbuf, wt, wg, bias,
-                          out, ldo, oelem);
+      linear_rows_blocked<TR>(x, ldx, xl, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, pbuf, wt, wg,
+                              bias, out, ldo, oelem);
     else
-      linear_rows_blocked(x, ldx, xl, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, pbuf, wt,
-                          static_cast<const float*>(nullptr), bias, out, ldo, oelem);
+      linear_rows_blocked<TR>(x, ldx, xl, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, pbuf, wt,
+                              static_cast<const float*>(nullptr), bias, out, ldo, oelem);
     return;
   }
   if (welem == Elem::F32)
@@ -280,3 +292,30 @@ static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* 
     linear_rows(x, ldx, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, res);
   store_rows(res, rows, ncols, bias, out, ldo, oelem);
 }
+static void linear_panel(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
+                         int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
+                         Elem oelem, float* scratch, const float* xl, const float* wgroups) {
+  linear_panel_tiled<kLaneTileRows>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch, xl,
+                                    wgroups);
+}
+#if defined(TONP_AVX512)
+// The AVX-512 table on Intel (Kernels::lane_panels_f32 2): chunks of at most kPairTileMaxKc in
+// the two-panel tiles' rows, longer ones in the one-panel tiles' (tile_rows_for); x is packed
+// for the same rows (pack_lanes_pairs).
+static void linear_panel_pairs(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
+                               int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
+                               Elem oelem, float* scratch, const float* xl, const float* wgroups) {
+  if (kc <= tonp::kPairTileMaxKc)
+    linear_panel_tiled<kLaneTileRowsPair>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch,
+                                          xl, wgroups);
+  else
+    linear_panel_tiled<kLaneTileRows>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch, xl,
+                                      wgroups);
+}
+static void pack_lanes_pairs(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  if (kc <= tonp::kPairTileMaxKc)
+    pack_lanes_tiled<kLaneTileRowsPair>(x, ldx, rows, kc, chunks, xl);
+  else
+    pack_lanes_tiled<kLaneTileRows>(x, ldx, rows, kc, chunks, xl);
+}
+#endif

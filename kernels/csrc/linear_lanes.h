@@ -23,8 +23,11 @@ constexpr int kLaneTileRows = 4;  // AVX2, portable: a row's sixteen outputs in 
 // broadcasts from one contiguous run rather than from MR strided rows: an exact copy, the same
 // operands in the same order (AMD EPYC, lane passes reading x in place against packed, in turn:
 // AVX2 on Zen 3 1.1-1.3x at K = 768-4096; the zmm tiles on Zen 4 1.0-1.26x).
-static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
-  for_row_tiles<kLaneTileRows>(rows, [&](int64_t r0, auto mr) {
+// TR: the tile's rows (kLaneTileRows; the AVX-512 table on Intel kLaneTileRowsPair, the two-panel
+// tiles' rows): the layout the table's linear_panel reads.
+template <int TR>
+static void pack_lanes_tiled(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  for_row_tiles<TR>(rows, [&](int64_t r0, auto mr) {
     constexpr int MR = decltype(mr)::value;
     float* t = xl + r0 * kc * chunks;
     if (kc % 8 == 0 && MR >= 4) {
@@ -60,6 +63,9 @@ static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, in
         for (int64_t k = l; k < kc; k += 8)
           for (int r = 0; r < MR; ++r) *t++ = x[(r0 + r) * ldx + c * kc + k];
   });
+}
+static void pack_lanes(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {
+  pack_lanes_tiled<kLaneTileRows>(x, ldx, rows, kc, chunks, xl);
 }
 
 // Where a lane tile finds its weights: lane l's step i (k = l + 8 i) at lane(l) + i * step floats
@@ -160,6 +166,81 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
   pass(6, s67);
   _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
     _mm512_storeu_ps(part + r * kPanel, _mm512_add_ps(_mm512_load_ps(low[r]), _mm512_add_ps(s45[r], s67[r])));
+}
+
+// The two-panel lane tile (the AVX-512 table on Intel, kLaneTileRowsPair rows): lane_tile_packed's
+// passes on two adjacent panels at once, lanes a and a + 1 of both (4 x MR chains), so each of
+// x's broadcasts feeds two FMAs: per step 4 weight loads and 2 MR broadcasts for 4 MR FMAs, where
+// the one-panel tile's 8 rows take 2 and 16 for 16. Every chain, lane value and tree is the one
+// panel's: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the pair sums closed in registers, the
+// halves waiting in memory (the accumulators take the registers). w0, w1: the panels' walks (the
+// same kc, step and lane starts).
+template <int MR>
+static inline void lane_tile2_packed(const float* xl, LaneWalk w0, LaneWalk w1, float* part0, float* part1) {
+  const int64_t kc = w0.kc, st = w0.step;
+  alignas(64) float low[2][MR][kPanel], high[2][MR][kPanel];
+  // Lanes a and a + 1 on both panels; the tree's first level (acc_a + acc_b per row and panel),
+  // then `close`: 0 stores it to dst, 1 adds it to dst, 2 stores dst + (high + it) to the parts.
+  auto pass = [&](int a, float (*dst)[MR][kPanel], int close) {
+    const int64_t na = (kc - a + 7) / 8, nb = (kc - a - 1 + 7) / 8;
+    const float* xa = xl;
+    const float* xb = xl + na * MR;
+    const float* wa0 = w0.lane(a);
+    const float* wb0 = w0.lane(a + 1);
+    const float* wa1 = w1.lane(a);
+    const float* wb1 = w1.lane(a + 1);
+    __m512 A0[MR], B0[MR], A1[MR], B1[MR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) A0[r] = B0[r] = A1[r] = B1[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < nb; ++i, xa += MR, xb += MR) {
+      if (w0.ahead) {  // groups: both panels' runs, `ahead` floats on (integer addresses: a hint never faults)
+        const uintptr_t q0 = reinterpret_cast<uintptr_t>(wa0) + sizeof(float) * uintptr_t(i * st + w0.ahead);
+        const uintptr_t q1 = reinterpret_cast<uintptr_t>(wa1) + sizeof(float) * uintptr_t(i * st + w1.ahead);
+        prefetch_w(q0);
+        prefetch_w(q0 + 64);
+        prefetch_w(q1);
+        prefetch_w(q1 + 64);
+      }
+      __m512 va0 = _mm512_loadu_ps(wa0 + i * st), vb0 = _mm512_loadu_ps(wb0 + i * st);
+      __m512 va1 = _mm512_loadu_ps(wa1 + i * st), vb1 = _mm512_loadu_ps(wb1 + i * st);
+      if constexpr (MR < 4) __asm__("" : "+v"(va0), "+v"(vb0), "+v"(va1), "+v"(vb1));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const __m512 xr = _mm512_set1_ps(xa[r]), yr = _mm512_set1_ps(xb[r]);
+        A0[r] = _mm512_fmadd_ps(xr, va0, A0[r]);
+        A1[r] = _mm512_fmadd_ps(xr, va1, A1[r]);
+        B0[r] = _mm512_fmadd_ps(yr, vb0, B0[r]);
+        B1[r] = _mm512_fmadd_ps(yr, vb1, B1[r]);
+      }
+    }
+    if (i < na) {
+      const __m512 va0 = _mm512_loadu_ps(wa0 + i * st), va1 = _mm512_loadu_ps(wa1 + i * st);
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const __m512 xr = _mm512_set1_ps(xa[r]);
+        A0[r] = _mm512_fmadd_ps(xr, va0, A0[r]);
+        A1[r] = _mm512_fmadd_ps(xr, va1, A1[r]);
+      }
+    }
+    xl += (na + nb) * MR;
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+      const __m512 s0 = _mm512_add_ps(A0[r], B0[r]), s1 = _mm512_add_ps(A1[r], B1[r]);
+      if (close == 0) {
+        _mm512_store_ps(dst[0][r], s0);
+        _mm512_store_ps(dst[1][r], s1);
+      } else if (close == 1) {
+        _mm512_store_ps(dst[0][r], _mm512_add_ps(_mm512_load_ps(dst[0][r]), s0));
+        _mm512_store_ps(dst[1][r], _mm512_add_ps(_mm512_load_ps(dst[1][r]), s1));
+      } else {
+        _mm512_storeu_ps(part0 + r * kPanel,
+                         _mm512_add_ps(_mm512_load_ps(low[0][r]), _mm512_add_ps(_mm512_load_ps(high[0][r]), s0)));
+        _mm512_storeu_ps(part1 + r * kPanel,
+                         _mm512_add_ps(_mm512_load_ps(low[1][r]), _mm512_add_ps(_mm512_load_ps(high[1][r]), s1)));
+      }
+    }
+  };
+  pass(0, low, 0);   // l0 + l1
+  pass(2, low, 1);   // (l0 + l1) + (l2 + l3)
+  pass(4, high, 0);  // l4 + l5
+  pass(6, high, 2);  // low + ((l4 + l5) + (l6 + l7))
 }
 #else
 // One lane's pass of an MR-row tile (the AVX2 and portable builds): its n steps, x at xl (MR
@@ -352,13 +433,17 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 // switch alternated in one process) 8, 16 and 32 tokens 1.08x, 1.06x, 1.04x (26-27 -> 28 GB/s;
 // 4 KB and 16 KB ahead the same).
 constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
-inline int64_t group_ahead(int64_t rows) { return rows == kLaneTileRows ? kGroupAhead : kGroupAheadSmall; }
+inline int64_t group_ahead(int64_t rows, int tile_rows = kLaneTileRows) {
+  return rows == tile_rows ? kGroupAhead : kGroupAheadSmall;
+}
 
 // A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
 // dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
 // place, no copy). Eight at a time with one vector store measured no faster: whole linears
-// 0.98-1.00x, one row an expert 0.97-0.99x (AMD EPYC, Zen 4, one process).
-static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
+// 0.98-1.00x, one row an expert 0.97-0.99x (AMD EPYC, Zen 4, one process). Kept out of line:
+// inlined by GCC into the 6-row tiles' linear_rows_blocked, its copy took a quarter of the call
+// (Intel Xeon, one thread, 2048 x 768 x 2048 in place: 76 GFLOP/s inlined, 96 out of line).
+__attribute__((noinline)) static void store_rows(const float* res, int64_t rows, int ncols, const float* bias, void* out, int64_t ldo,
                        Elem oelem) {
   for (int64_t r = 0; r < rows; ++r)
     for (int j = 0; j < ncols; ++j) {
@@ -368,18 +453,34 @@ static void store_rows(const float* res, int64_t rows, int ncols, const float* b
     }
 }
 
+// Chunk c of np adjacent panels of W in place (the last with ncols columns) transposed, panel p's
+// to wt + p * kc * 16; then the next chunk's weights (after the last chunk, the first of the
+// panels that follow) fetched while this one is computed: the transpose reads them in a pass of
+// its own, with no arithmetic to hide a miss. A hint only: the addresses are integers (past the
+// last panel they may lie outside W; a prefetch never faults, and no out-of-range pointer is
+// formed).
+template <typename T>
+static void transpose_chunk_ahead(const T* W, int64_t ldw, int np, int ncols, int64_t kc, int c, int chunks, float* wt) {
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  for (int p = 0; p < np; ++p)
+    transpose_chunk(W + p * kPanel * ldw + c * kc, ldw, p + 1 < np ? kPanel : ncols, kc, wt + p * kc * kPanel);
+  const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : np * kPanel * ldw);
+  for (int n = 0; n < np * kPanel; ++n)
+    for (int64_t k = 0; k < kc; k += kLine)
+      prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
+}
+
 // Lane passes: chunk by chunk, the chunk's weights transposed once (16 x kc, in L1) for every
 // row tile of the block, or read from the panel's fp32 weight group wg (non-null: already in the
 // lane tiles' order, nothing transposed); the partials of each (row, column, chunk) are the
 // values dot_tile computes, finished by the same chunk tree: only the loop order differs from
 // the dot products. xl: x lane-packed (pack_lanes).
-template <typename T>
+template <int TR, typename T>
 static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
                                 int64_t kc, int chunks, int ncols, float* pbuf /* [chunks, rows, 16] */,
                                 float* wt /* [kc, 16] */, const float* wg, const float* bias, void* out, int64_t ldo,
                                 Elem oelem) {
   const int64_t cstride = rows * kPanel;
-  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   const LaneStarts starts(kc);
 #if !defined(TONP_AVX512)
   const StreamPlan streamed(wg, kc, rows);
@@ -388,17 +489,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
     const float* xc = x + c * kc;
     float* pc = pbuf + c * cstride;
     const float* blk = wg ? wg + c * kc * kPanel : wt;  // the chunk's weights as the lane tiles read them
-    if (!wg) {
-      transpose_chunk(W + c * kc, ldw, ncols, kc, wt);
-      // Fetch the next chunk's weights (or the next panel's first) while this one is computed: the
-      // transpose reads them in a pass of its own, with no arithmetic to hide a miss. A hint only:
-      // the addresses are integers (past the last panel they may lie outside W; a prefetch never
-      // faults, and no out-of-range pointer is formed).
-      const uintptr_t next = reinterpret_cast<uintptr_t>(W) + sizeof(T) * (c + 1 < chunks ? (c + 1) * kc : kPanel * ldw);
-      for (int n = 0; n < kPanel; ++n)
-        for (int64_t k = 0; k < kc; k += kLine)
-          prefetch_w(next + sizeof(T) * uintptr_t(n * ldw + k));
-    }
+    if (!wg) transpose_chunk_ahead(W, ldw, 1, ncols, kc, c, chunks, wt);
     if (kc <= 8) {  // one product per lane: the eight lanes at once, their tree in registers (a
       for (int64_t r = 0; r < rows; ++r)  // group's chunk of at most 8 is in k order, as wt)
         for (int n0 = 0; n0 < kPanel; n0 += 8) {
@@ -416,14 +507,51 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
       continue;
     }
 #endif
-    for_row_tiles<kLaneTileRows>(rows, [&](int64_t r, auto mr) {
-      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, group_ahead(mr()), starts) : LaneWalk::transposed(blk, kc, starts);
+    for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
+      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, group_ahead(mr(), TR), starts) : LaneWalk::transposed(blk, kc, starts);
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
     });
   }
   chunk_tree(pbuf, cstride, chunks, cstride);
   store_rows(pbuf, rows, ncols, bias, out, ldo, oelem);
 }
+
+#if defined(TONP_AVX512)
+// The two-panel tiles' rows (lane_tile2_packed: 24 accumulators), x lane-packed in tiles of them.
+constexpr int kLaneTileRowsPair = tonp::kPairTileRows;
+// Two adjacent whole panels of fp32 weights by lane passes (the AVX-512 table on Intel): W in
+// place, each chunk of both transposed once for every row tile, or their groups (wg: the first
+// panel's; the second's follows it, K * 16 floats on), chunk by chunk, every row tile of TR rows
+// on both panels at once (lane_tile2_packed). The same passes, lane values and trees as a call
+// per panel (linear_rows_blocked): only which outputs share a tile differs. pbuf: [2][chunks,
+// rows, 16]; wt: [2][kc, 16] (W in place).
+template <int TR>
+static void linear_panels2(const float* xl, int64_t rows, const float* W, int64_t ldw, int64_t kc, int chunks,
+                           float* pbuf, float* wt, const float* wg, const float* bias, void* out, int64_t ldo,
+                           Elem oelem) {
+  const int64_t cstride = rows * kPanel, gsz = kc * chunks * kPanel;
+  const LaneStarts starts(kc);
+  float* const pb[2] = {pbuf, pbuf + chunks * cstride};
+  for (int c = 0; c < chunks; ++c) {
+    if (!wg) transpose_chunk_ahead(W, ldw, 2, kPanel, kc, c, chunks, wt);
+    const float* b0 = wg ? wg + c * kc * kPanel : wt;
+    const float* b1 = wg ? wg + gsz + c * kc * kPanel : wt + kc * kPanel;
+    for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
+      const int64_t ahead = group_ahead(mr(), TR);
+      const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, ahead, starts) : LaneWalk::transposed(b0, kc, starts);
+      const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, ahead, starts) : LaneWalk::transposed(b1, kc, starts);
+      lane_tile2_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, w0, w1, pb[0] + c * cstride + r * kPanel,
+                              pb[1] + c * cstride + r * kPanel);
+    });
+  }
+  const int64_t osz = oelem == Elem::F32 ? 4 : 2;
+  for (int p = 0; p < 2; ++p) {
+    chunk_tree(pb[p], cstride, chunks, cstride);
+    store_rows(pb[p], rows, kPanel, bias ? bias + p * kPanel : nullptr, static_cast<char*>(out) + p * kPanel * osz, ldo,
+               oelem);
+  }
+}
+#endif
 
 #if !defined(TONP_AVX512)
 // Two adjacent whole panels on their fp32 groups (wg: the first's; the second's follows it, K *

@@ -189,14 +189,16 @@ at::Tensor moe_experts_forward(const at::Tensor& x_, const at::Tensor& ids_, con
       const bool grouped = wg && we == Elem::F32;
       // fp32 groups: a block's adjacent whole panels in one call where the table takes several
       // (panels_a_call; the AVX2 table streams two side by side).
-      const int gp = grouped ? kern->group_panels_f32 : 1;
+      const int gp = pairs ? 1 : grouped ? kern->group_panels_f32 : lane_call_panels(kern, false, pairs, we, max_rows, kc);
       const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, max_rows)
                                                 : linear_scratch(chunks, Kd, max_rows, we, kern->lane_rows_f32, grouped, gp));
       XPack xpack(kern, pairs, max_rows, Kd, kc, we, grouped ? kern->group_rows_f32 : 0);  // a block's rows, for all its panels
       for (int64_t t = b; t < en;) {
         const int64_t bi = t / np, p = t % np;
         const Blk& k = blks[bi];
-        const int64_t take = panels_a_call(kern, grouped && k.rows >= kern->group_rows_f32, t, en, N, p, pw);
+        const int64_t take =
+            panels_a_call(lane_call_panels(kern, grouped && k.rows >= kern->group_rows_f32, pairs, we, k.rows, kc), t, en, N,
+                          p, pw);
         const int ncols = int(std::min<int64_t>(pw * take, N - p * pw));
         t += take;
         const char* wt = w + (k.e * N + p * pw) * Kd * wsz;

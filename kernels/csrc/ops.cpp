@@ -86,7 +86,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   at::Tensor packed;  // fp32 groups this call packs for itself (Kernels::linear_pack_rows_f32)
   if (!wg && !pairs && welem == Elem::F32 && kern->linear_pack_rows_f32 > 0 && M >= kern->linear_pack_rows_f32 &&
       N >= kPanel && N * Kd * 4 <= kPackInCallMaxBytes && reads_weight_groups(kern, welem) &&
-      2 * group_row_block(kern, M, Kd) <= kern->row_block_f32) {
+      2 * group_row_block(kern, M, Kd, chunks) <= kern->row_block_f32) {
     packed = empty_big({N / kPanel * kPanel * Kd}, wc.options());
     pack_f32_groups(wc.data_ptr<float>(), N, Kd, chunks, kern->group_lane_runs, packed.data_ptr<float>());
     wg = packed.data_ptr();
@@ -94,7 +94,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   const bool grouped = wg && !pairs && welem == Elem::F32;
   const int64_t gsz = weight_group_elems(Kd, chunks, welem), gc = weight_group_cols(welem);
   const int64_t pw = pairs ? kPanelPairs : kPanel;
-  const int64_t rb = pairs ? bf16_row_block(M) : row_block(M, grouped ? group_row_block(kern, M, Kd) : kern->row_block_f32);
+  const int64_t rb = pairs ? bf16_row_block(M) : row_block(M, grouped ? group_row_block(kern, M, Kd, chunks) : kern->row_block_f32);
   const int64_t np = (N + pw - 1) / pw, nmb = (M + rb - 1) / rb;
   const int group_rows = grouped ? kern->linear_group_rows_f32 : 0;  // 0: no groups
   const int64_t esz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, ldx = chunks * xkc;
@@ -109,7 +109,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
     const int64_t rows_max = std::min(rb, M);
     // fp32 groups: a row block's adjacent whole panels in one call where the table takes several
     // (panels_a_call).
-    const int gp = grouped ? kern->group_panels_f32 : 1;
+    const int gp = pairs ? 1 : grouped ? kern->group_panels_f32 : lane_call_panels(kern, false, pairs, welem, rows_max, kc);
     const auto scratch = scratch_floats(pairs ? linear_scratch_bf16(chunks, Kd, rows_max)
                                               : linear_scratch(chunks, Kd, rows_max, welem, kern->lane_rows_f32,
                                                              group_rows > 0 && rows_max >= group_rows, gp));
@@ -120,7 +120,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
       const int64_t mb = pairs ? t % nmb : t / np, p = pairs ? t / nmb : t % np, r0 = mb * rb;
       const int64_t rows = std::min<int64_t>(rb, M - r0);
       const bool lanes = grouped && (rows >= group_rows || linear_lane_passes(rows, kc, welem, kern->lane_rows_f32));
-      const int64_t take = panels_a_call(kern, lanes, t, end, N, p, pw);
+      const int64_t take = panels_a_call(lane_call_panels(kern, lanes, pairs, welem, rows, kc), t, end, N, p, pw);
       const int ncols = int(std::min<int64_t>(pw * take, N - p * pw));
       t += take;
       if (pairs)

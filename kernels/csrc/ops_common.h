@@ -226,13 +226,19 @@ inline std::vector<int64_t> weight_groups_shape(const at::Tensor& w, int64_t chu
   return s;
 }
 
-// How many whole panels (pw columns each) from panel p one linear_panel call takes: up to the
-// table's group_panels_f32 where the call reads fp32 groups (`grouped`), within the thread's
-// tasks [t, end) and N's whole panels; otherwise one. tk.linear and moe_experts both split this way.
-inline int64_t panels_a_call(const Kernels* kern, bool grouped, int64_t t, int64_t end, int64_t N, int64_t p,
-                             int64_t pw) {
-  if (!grouped) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>({int64_t(kern->group_panels_f32), end - t, (N - p * pw) / pw}));
+// The whole panels one linear_panel call of `rows` rows may take: the table's group_panels_f32
+// where it reads fp32 groups (`grouped`: given them, at a row count that reads them),
+// lane_panels_f32 where it runs fp32 lane passes on W in place; otherwise one.
+inline int lane_call_panels(const Kernels* kern, bool grouped, bool pairs, Elem welem, int64_t rows, int64_t kc) {
+  if (grouped) return kern->group_panels_f32;
+  return !pairs && welem == Elem::F32 && linear_lane_passes(rows, kc, welem, kern->lane_rows_f32) ? kern->lane_panels_f32 : 1;
+}
+// How many whole panels (pw columns each) from panel p one linear_panel call takes: up to
+// `panels` (lane_call_panels), within the thread's tasks [t, end) and N's whole panels. tk.linear
+// and moe_experts both split this way.
+inline int64_t panels_a_call(int panels, int64_t t, int64_t end, int64_t N, int64_t p, int64_t pw) {
+  if (panels <= 1) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>({int64_t(panels), end - t, (N - p * pw) / pw}));
 }
 
 // The column groups a caller passes beside weight w (a copy it owns, made by pack_weight_groups
