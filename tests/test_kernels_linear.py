@@ -124,11 +124,12 @@ def test_row_invariance_on_fp32_weight_groups(gen):
 
 def test_large_fp32_calls_pack_their_groups_with_the_same_bits(gen):
     """On Intel a call of at least 512 rows on an fp32 weight given without its groups packs them
-    itself (kernels.h kLinearPackRowsIntel, when K >= 2048), where fewer rows read the weight in
-    place: each row alone and among other rows, across that threshold, gives the same bits, as do
-    the groups passed in and the portable build (the twin:
+    itself (kernels.h kLinearPackRowsIntel, when K >= 2048 and its chunks are longer than the
+    two-panel tiles take: K = 4096 with 8 chunks), where fewer rows read the weight in place:
+    each row alone and among other rows, across that threshold, gives the same bits, as do the
+    groups passed in and the portable build (the twin:
     test_stock_torch_linear_depends_on_the_batch)."""
-    K, N = 2048, 56  # three whole panels and an edge panel of eight columns (read in place)
+    K, N = 4096, 56  # three whole panels and an edge panel of eight columns (read in place)
     w, b = _weights(K, N, torch.float32, gen, bias=True)
     f = lambda x: tk.linear(x, w, b)  # noqa: E731
     for M in (511, 512):

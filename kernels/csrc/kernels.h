@@ -54,7 +54,10 @@ constexpr int64_t kGroupBlockBytesIntel = 512 << 10;
 // weight in place: K = 2048 (N = 512-4096) 1.07-1.14x at 512 rows, 1.16-1.27x at 2048; K = 4096
 // 1.09x / 1.26x; the 16384-column LM head 0.98x / 1.06x; 128 rows 0.67-0.75x and 256 rows
 // 0.88-1.07x (the pack, a pass over the weight, weighs more); K = 768, where the blocks are not
-// cut, 0.85-0.97x at 256-2048 rows, so it is not packed.
+// cut, 0.85-0.97x at 256-2048 rows, so it is not packed. Nor where the two-panel tiles run
+// (pair_tiles: chunks of at most kPairTileMaxKc, K = 2048 with 8 chunks): in place on two panels,
+// packing in the call ran 0.84x / 0.98x at 512 / 2048 rows (N = 4096), 0.92x / 1.02x (N = 1536),
+// 0.97x (512 x 2048 x 512); at K = 4096, on one-panel tiles, still 1.08x / 1.24x.
 constexpr int kLinearPackRowsIntel = 512;
 // Whole panels a call running fp32 lane passes takes on Intel, on groups or in place
 // (Kernels::group_panels_f32, lane_panels_f32; elsewhere 1, the AVX2 table's groups 2): the
@@ -319,7 +322,8 @@ struct Kernels {
   // tk.linear on an fp32 weight given without its groups: from this many rows (0: never) the call
   // packs the groups itself, once, for its lane passes (pack_weight_groups' layout; weights of at
   // most kPackInCallMaxBytes, where group_row_block cuts the blocks to half of row_block_f32 or
-  // less), where each row block's task would transpose every weight chunk again. The same bits.
+  // less, and not on chunks its two-panel tiles take: pair_tiles), where each row block's task
+  // would transpose every weight chunk again. The same bits.
   int linear_pack_rows_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
   // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
@@ -373,10 +377,10 @@ struct Kernels {
 // rows; fewer stay one block (on the Intel Xeon, 128 rows cut in two ran 0.95-1.07x: the LM head
 // and 128 rows an expert 0.95x). Which rows share a task never changes a bit.
 constexpr int64_t kGroupBlockWholeRows = 128;
-// The rows of table k's lane tiles on chunks of kc (Kernels::lane_tile_rows).
-inline int tile_rows_for(const Kernels* k, int64_t kc) {
-  return k->lane_panels_f32 > 1 && kc <= kPairTileMaxKc ? kPairTileRows : k->lane_tile_rows;
-}
+// Whether table k runs fp32 lane passes on chunks of kc in its two-panel tiles (kPairTileRows
+// rows, two panels a call); the rows of its lane tiles there (Kernels::lane_tile_rows).
+inline bool pair_tiles(const Kernels* k, int64_t kc) { return k->lane_panels_f32 > 1 && kc <= kPairTileMaxKc; }
+inline int tile_rows_for(const Kernels* k, int64_t kc) { return pair_tiles(k, kc) ? kPairTileRows : k->lane_tile_rows; }
 inline int64_t group_row_block(const Kernels* k, int64_t rows, int64_t K, int64_t chunks) {
   const int64_t cap = k->row_block_f32;
   if (k->group_block_bytes_f32 <= 0 || K <= 0 || rows <= kGroupBlockWholeRows) return cap;

@@ -86,7 +86,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w, const std::optional
   at::Tensor packed;  // fp32 groups this call packs for itself (Kernels::linear_pack_rows_f32)
   if (!wg && !pairs && welem == Elem::F32 && kern->linear_pack_rows_f32 > 0 && M >= kern->linear_pack_rows_f32 &&
       N >= kPanel && N * Kd * 4 <= kPackInCallMaxBytes && reads_weight_groups(kern, welem) &&
-      2 * group_row_block(kern, M, Kd, chunks) <= kern->row_block_f32) {
+      2 * group_row_block(kern, M, Kd, chunks) <= kern->row_block_f32 && !pair_tiles(kern, kc)) {
     packed = empty_big({N / kPanel * kPanel * Kd}, wc.options());
     pack_f32_groups(wc.data_ptr<float>(), N, Kd, chunks, kern->group_lane_runs, packed.data_ptr<float>());
     wg = packed.data_ptr();
