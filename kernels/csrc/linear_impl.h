@@ -202,6 +202,7 @@ static inline void dot_row_panel(const float* x, const T* w, int64_t ldw, int64_
 }
 
 #include "linear_lanes.h"  // the lane passes: pack_lanes, the lane tiles, linear_rows_blocked, store_rows
+                            // (and linear_streamed.h, the AVX2 and portable builds' streamed blocks)
 
 // The dot products (bf16 weights are widened to fp32 as they are loaded, exactly, so they cost half
 // the bytes). One row: dot_row_panel. Two rows or more: four weight rows at a time (a column group), every row tile of the block on
