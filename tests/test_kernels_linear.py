@@ -153,19 +153,22 @@ def test_two_panel_lane_tiles_give_the_portable_bits(K, N, chunks, gen):
     and three plus an edge panel of eight columns; row counts around the 6-row tiles, the
     lane-pass threshold and the 256-row blocks: each row alone and among others, with and
     without groups, gives the portable build's bits (the twin:
-    test_stock_torch_linear_depends_on_the_batch)."""
+    test_stock_torch_linear_depends_on_the_batch). TONP_FORCE_PAIR_TILES=1 runs those tiles on
+    any AVX512-BF16 CPU (Intel's choice; elsewhere the table's own, checked the same way)."""
     w, b = _weights(K, N, torch.float32, gen, bias=True)
     groups = tk.pack_weight_groups(w, chunks)
     f = lambda x: tk.linear(x, w, b, chunks=chunks)  # noqa: E731
     fg = lambda x: tk.linear(x, w, b, chunks=chunks, weight_groups=groups)  # noqa: E731
-    for M in (6, 13, 33, 257):
-        check_row_invariance(f, lambda n: [randn(n, K, gen=gen)], M, seed=M)
     x = randn(600, K, gen=gen)
     with env("TONP_FORCE_PORTABLE", "1"):
         want = {m: f(x[:m]) for m in (1, 5, 6, 7, 12, 31, 32, 37, 97, 257, 600)}
-    for m, ref in want.items():
-        assert_bitwise(f(x[:m]), ref, f"K={K} M={m} in place vs portable")
-        assert_bitwise(fg(x[:m]), ref, f"K={K} M={m} on groups vs portable")
+    for pair_tiles in ("0", "1"):
+        with env("TONP_FORCE_PAIR_TILES", pair_tiles):
+            for M in (6, 13, 33, 257):
+                check_row_invariance(f, lambda n: [randn(n, K, gen=gen)], M, seed=M)
+            for m, ref in want.items():
+                assert_bitwise(f(x[:m]), ref, f"K={K} M={m} in place vs portable, pair tiles {pair_tiles}")
+                assert_bitwise(fg(x[:m]), ref, f"K={K} M={m} on groups vs portable, pair tiles {pair_tiles}")
 
 
 def test_stock_torch_linear_depends_on_the_batch(torch_mode, gen):

@@ -116,6 +116,25 @@ def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
         assert_bitwise(got, want, f"M={M}")
 
 
+@pytest.mark.parametrize("pair_tiles", ["0", "1"])
+def test_moe_experts_fp32_give_the_portable_bits_in_either_lane_layout(pair_tiles, monkeypatch):
+    """fp32 experts on their groups and in place, a panel at a time or two in 6-row tiles (Intel's
+    choice, TONP_FORCE_PAIR_TILES=1 on any AVX512-BF16 CPU): gate_up of 12 panels at chunks of 20,
+    down of 10 at chunks of 12, rows an expert across the tiles: the portable build's bits."""
+    gu, dn = _experts(4, 96, 160, dtype=torch.float32)
+    gug, dng = tk.pack_weight_groups(gu, 8), tk.pack_weight_groups(dn, 8)
+    g = torch.Generator().manual_seed(3)
+    for M in (3, 40, 130):
+        x = torch.randn(M, 160, generator=g)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(M)])
+        monkeypatch.setenv("TONP_FORCE_PORTABLE", "1")
+        want = tk.moe_experts(x, ids, gu, dn)
+        monkeypatch.delenv("TONP_FORCE_PORTABLE")
+        monkeypatch.setenv("TONP_FORCE_PAIR_TILES", pair_tiles)
+        assert_bitwise(tk.moe_experts(x, ids, gu, dn), want, f"M={M} in place")
+        assert_bitwise(tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng), want, f"M={M} groups")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so

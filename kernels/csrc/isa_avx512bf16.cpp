@@ -80,6 +80,19 @@ static bool amd_zen5_or_later() {
 }
 }  // namespace tonp_avx512bf16
 
+namespace tonp_avx512bf16 {
+// The fp32 lane passes' layout: two panels a call where they run, on groups or in place, in tiles
+// of 6 rows (kernels.h, kLanePanelsIntel), or a panel at a time in tiles of 8. Chosen on Intel;
+// TONP_FORCE_PAIR_TILES=1 (kernels_avx512bf16_pairs) runs it on any AVX512-BF16 CPU, so the
+// tests compare it with the portable build there too. Only the layout: the same bits.
+static void set_pair_tiles(tonp::Kernels& t, bool on) {
+  t.linear_panel = on ? linear_panel_pairs : linear_panel;
+  t.pack_lanes = on ? pack_lanes_pairs : pack_lanes;  // for its zmm lane tiles
+  t.group_panels_f32 = t.lane_panels_f32 = on ? tonp::kLanePanelsIntel : 1;
+  t.lane_tile_rows = kLaneTileRows;
+}
+}  // namespace tonp_avx512bf16
+
 namespace tonp {
 const Kernels* kernels_avx512bf16() {
   static const Kernels* table = []() -> const Kernels* {
@@ -90,13 +103,7 @@ const Kernels* kernels_avx512bf16() {
     if (!tonp_avx512bf16::self_check(kernels_avx2())) return nullptr;
     static Kernels t = *kernels_avx2();
     t.name = TONP_ISA_NAME;
-    // On Intel, two panels a call where it runs fp32 lane passes, on groups or in place, in tiles
-    // of 6 rows (kernels.h, kLanePanelsIntel); elsewhere a panel at a time, tiles of 8.
-    const bool pair_tiles = tonp_avx512bf16::intel_cpu();
-    t.linear_panel = pair_tiles ? tonp_avx512bf16::linear_panel_pairs : tonp_avx512bf16::linear_panel;
-    t.pack_lanes = pair_tiles ? tonp_avx512bf16::pack_lanes_pairs : tonp_avx512bf16::pack_lanes;  // for its zmm lane tiles
-    t.group_panels_f32 = t.lane_panels_f32 = pair_tiles ? tonp::kLanePanelsIntel : 1;
-    t.lane_tile_rows = tonp_avx512bf16::kLaneTileRows;
+    tonp_avx512bf16::set_pair_tiles(t, tonp_avx512bf16::intel_cpu());
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.row_block_f32 = tonp::kRowBlockF32;
     t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
@@ -119,6 +126,18 @@ const Kernels* kernels_avx512bf16() {
 #else
     return nullptr;
 #endif
+  }();
+  return table;
+}
+
+// The same table with the two-panel tiles, on any CPU that runs it (TONP_FORCE_PAIR_TILES=1).
+const Kernels* kernels_avx512bf16_pairs() {
+  static const Kernels* table = []() -> const Kernels* {
+    const Kernels* base = kernels_avx512bf16();
+    if (!base) return nullptr;
+    static Kernels t = *base;
+    tonp_avx512bf16::set_pair_tiles(t, true);
+    return &t;
   }();
   return table;
 }

@@ -401,5 +401,8 @@ bool cpu_has_avx2_fma();
 // The AVX2 table with the bf16 x bf16 linear on vdpbf16ps; null unless this CPU has AVX512-BF16
 // and the instruction passed a self-check against the emulation (isa_avx512bf16.cpp).
 const Kernels* kernels_avx512bf16();
+// That table with the fp32 lane passes' two-panel tiles (Kernels::lane_panels_f32; its own choice
+// on Intel), on any CPU it runs on; null where it is null (TONP_FORCE_PAIR_TILES=1).
+const Kernels* kernels_avx512bf16_pairs();
 
 }  // namespace tonp
