@@ -151,7 +151,8 @@ def test_two_panel_lane_tiles_give_the_portable_bits(K, N, chunks, gen):
     chunks keep one panel and 8-row tiles), in place and on groups, and row blocks cut to a byte
     cap hold whole tiles. Chunks of 96, exactly 256 and 512; five panels (two pairs and one alone)
     and three plus an edge panel of eight columns; row counts around the 6-row tiles, the
-    lane-pass threshold and the 256-row blocks: each row alone and among others, with and
+    lane-pass threshold and the 256-row blocks (a chunk read by several tiles spreads the next
+    block's prefetch over them: a hint, no bit): each row alone and among others, with and
     without groups, gives the portable build's bits (the twin:
     test_stock_torch_linear_depends_on_the_batch). TONP_FORCE_PAIR_TILES=1 runs those tiles on
     any AVX512-BF16 CPU (Intel's choice; elsewhere the table's own, checked the same way)."""

@@ -240,8 +240,10 @@ static void linear_rows(const float* x, int64_t ldx, int64_t rows, const T* W, i
 }
 
 // TR: the lane tiles' rows, the layout of xl (pack_lanes_tiled<TR>): kLaneTileRows; the AVX-512
-// table on Intel kLaneTileRowsPair.
-template <int TR>
+// table on Intel kLaneTileRowsPair. kSpread: lane tiles on fp32 groups spread the prefetch of the
+// next block over a chunk's row tiles (GroupFetch; the AVX-512 table on Intel, and its two-panel
+// tiles always).
+template <int TR, bool kSpread = false>
 static void linear_panel_tiled(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw, Elem welem,
                                int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                                Elem oelem, float* scratch, const float* xl, const float* wgroups) {
@@ -264,7 +266,7 @@ static void linear_panel_tiled(const float* x, int64_t ldx, int64_t rows, const 
     const int64_t wsz = welem == Elem::F32 ? 4 : 2, osz = oelem == Elem::F32 ? 4 : 2, gsz = kc * chunks * kPanel;
     for (int n = 0; n < ncols; n += kPanel) {  // a panel at a time
       const int nc = std::min(kPanel, ncols - n);
-      linear_panel_tiled<TR>(x, ldx, rows, static_cast<const char*>(W) + n * ldw * wsz, ldw, welem, kc, chunks,
+      linear_panel_tiled<TR, kSpread>(x, ldx, rows, static_cast<const char*>(W) + n * ldw * wsz, ldw, welem, kc, chunks,
                              bias ? bias + n : nullptr, nc, static_cast<char*>(out) + n * osz, ldo, oelem, scratch, xl,
                              wgroups && nc == kPanel ? wgroups + n / kPanel * gsz : nullptr);
     }
@@ -280,10 +282,10 @@ static void linear_panel_tiled(const float* x, int64_t ldx, int64_t rows, const 
   const bool lanes = wg || tonp::linear_lane_passes(rows, kc, welem, kLaneRowsBuild);
   if (lanes) {  // stored from the chunk tree's result (store_rows)
     if (welem == Elem::F32)
-      linear_rows_blocked<TR>(x, ldx, xl, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, pbuf, wt, wg,
+      linear_rows_blocked<TR, kSpread>(x, ldx, xl, rows, static_cast<const float*>(W), ldw, kc, chunks, ncols, pbuf, wt, wg,
                               bias, out, ldo, oelem);
     else
-      linear_rows_blocked<TR>(x, ldx, xl, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, pbuf, wt,
+      linear_rows_blocked<TR, kSpread>(x, ldx, xl, rows, static_cast<const uint16_t*>(W), ldw, kc, chunks, ncols, pbuf, wt,
                               static_cast<const float*>(nullptr), bias, out, ldo, oelem);
     return;
   }
@@ -307,10 +309,10 @@ static void linear_panel_pairs(const float* x, int64_t ldx, int64_t rows, const 
                                int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo,
                                Elem oelem, float* scratch, const float* xl, const float* wgroups) {
   if (kc <= tonp::kPairTileMaxKc)
-    linear_panel_tiled<kLaneTileRowsPair>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch,
+    linear_panel_tiled<kLaneTileRowsPair, true>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch,
                                           xl, wgroups);
   else
-    linear_panel_tiled<kLaneTileRows>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch, xl,
+    linear_panel_tiled<kLaneTileRows, true>(x, ldx, rows, W, ldw, welem, kc, chunks, bias, ncols, out, ldo, oelem, scratch, xl,
                                       wgroups);
 }
 static void pack_lanes_pairs(const float* x, int64_t ldx, int64_t rows, int64_t kc, int chunks, float* xl) {

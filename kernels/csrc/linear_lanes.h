@@ -92,13 +92,54 @@ struct LaneStarts {
     for (int l = 0; l < 8; ++l) transposed[l] = l * kPanel, grouped[l] = tonp::lane_group_start(kc, l, kGroupLaneRuns);
   }
 };
+// Lane passes over an fp32 weight group (kernels.h) tile by tile (the AVX-512 build, and the
+// AVX2 and portable builds' blocks of more than kStreamBlockRows rows): the prefetch distance, in
+// floats, of a row tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
+// 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
+// expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
+// run, in git history). Tiles of 2-7 rows 8 KB ahead: moe_experts fp32, 128 cold experts, top-8
+// of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
+// an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
+// 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
+// 81); 128 tokens 82-89 against 94-98 (slow bus). One-row tiles 8 KB ahead too: on the Zen 4
+// one row (16 tokens: one or two rows an expert) had run level with or without; on an Intel Xeon
+// (AMX; 2 threads, 128 cold experts in three layers cycled, top-8 of random routing, a run-time
+// switch alternated in one process) 8, 16 and 32 tokens 1.08x, 1.06x, 1.04x (26-27 -> 28 GB/s;
+// 4 KB and 16 KB ahead the same).
+constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
+inline int64_t group_ahead(int64_t rows, int tile_rows = kLaneTileRows) {
+  return rows == tile_rows ? kGroupAhead : kGroupAheadSmall;
+}
+
+// How a lane tile on an fp32 weight group prefetches (a hint: integer addresses, no arithmetic,
+// no bit): at steps phase, phase + every, ... of each pass, the lines `ahead` floats on from the
+// step's own two. A chunk that one row tile reads: every step, group_ahead's 4-8 KB on in the
+// same run. A chunk that two or more tiles read, where the table spreads (linear_panel_tiled's
+// kSpread: the AVX-512 table on Intel): the block the call reads next at the step's offsets
+// (the next chunk, or after the last the first chunk of the panels that follow), tile t of T at
+// steps t, t + T, ..., so every line of that block is fetched once, evenly over the chunk's
+// tiles. With `ahead` alone only a chunk's first tile missed, and the bus sat idle while the
+// others computed from cache; on the Intel Xeon (2 threads, cold groups, against ahead alone in
+// one process): tk.linear 2048 -> 5120 at 32 / 64 / 128 rows 1.27x / 1.32x / 1.21x, 4096 ->
+// 2048 1.22x / 1.27x / 1.13x, the LM head 2048 -> 16384 at 64 / 128 1.31x / 1.18x, 8-16 rows
+// 1.01-1.07x; moe_experts fp32 at 8 / 16 rows an expert 1.04x / 1.10x; the fp32 model's
+// prefill 1.11-1.21x (its row blocks' weights come from beyond L2 too), decode steps at batch
+// 16 / 64 / 128 1.01x / 1.04x / 1.05x. The AMD tables keep `ahead` alone (not measured there).
+struct GroupFetch {
+  int64_t ahead, every, phase;
+};
+static inline GroupFetch group_fetch(bool spread, int64_t next, int64_t tiles, int64_t r, int mr, int tile_rows) {
+  if (spread && tiles >= 2) return {next, tiles, r / tile_rows};
+  return {group_ahead(mr, tile_rows), 1, 0};
+}
 struct LaneWalk {
   const float* w;
   int64_t kc, step, ahead;
   const int64_t* start;  // lane l's first weight at w + start[l]
+  int64_t every = 1, phase = 0;  // prefetches at steps phase, phase + every, ... (GroupFetch)
   static LaneWalk transposed(const float* wt, int64_t kc, const LaneStarts& s) { return {wt, kc, 8 * kPanel, 0, s.transposed}; }
-  static LaneWalk grouped(const float* g, int64_t kc, int64_t ahead, const LaneStarts& s) {
-    return {g, kc, s.gstep, ahead, s.grouped};
+  static LaneWalk grouped(const float* g, int64_t kc, GroupFetch f, const LaneStarts& s) {
+    return {g, kc, s.gstep, f.ahead, s.grouped, f.every, f.phase};
   }
   const float* lane(int l) const { return w + start[l]; }
 };
@@ -134,9 +175,10 @@ static inline void lane_tile_packed(const float* xl, LaneWalk lw, float* part /*
     const float* wb_ = lw.lane(a + 1);
     __m512 A[MR], B[MR];
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) A[r] = B[r] = _mm512_setzero_ps();
-    int64_t i = 0;
+    int64_t i = 0, nf = lw.phase;
     for (; i < nb; ++i, xa += MR, xb += MR) {
-      if (lw.ahead) {  // a group's run: the lines `ahead` floats on (integer addresses: a hint never faults)
+      if (lw.ahead && i == nf) {  // a group's run: GroupFetch's lines (integer addresses: a hint never faults)
+        nf += lw.every;
         const uintptr_t q = reinterpret_cast<uintptr_t>(wa_) + sizeof(float) * uintptr_t(i * st + lw.ahead);
         prefetch_w(q);
         prefetch_w(q + 64);
@@ -191,9 +233,10 @@ static inline void lane_tile2_packed(const float* xl, LaneWalk w0, LaneWalk w1, 
     const float* wb1 = w1.lane(a + 1);
     __m512 A0[MR], B0[MR], A1[MR], B1[MR];
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) A0[r] = B0[r] = A1[r] = B1[r] = _mm512_setzero_ps();
-    int64_t i = 0;
+    int64_t i = 0, nf = w0.phase;
     for (; i < nb; ++i, xa += MR, xb += MR) {
-      if (w0.ahead) {  // groups: both panels' runs, `ahead` floats on (integer addresses: a hint never faults)
+      if (w0.ahead && i == nf) {  // groups: both panels' GroupFetch lines (integer addresses: a hint never faults)
+        nf += w0.every;
         const uintptr_t q0 = reinterpret_cast<uintptr_t>(wa0) + sizeof(float) * uintptr_t(i * st + w0.ahead);
         const uintptr_t q1 = reinterpret_cast<uintptr_t>(wa1) + sizeof(float) * uintptr_t(i * st + w1.ahead);
         prefetch_w(q0);
@@ -303,25 +346,6 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
   }
 }
 
-// Lane passes over an fp32 weight group (kernels.h) tile by tile (the AVX-512 build, and the
-// AVX2 and portable builds' blocks of more than kStreamBlockRows rows): the prefetch distance, in
-// floats, of a row tile of `rows` rows. Full tiles (kLaneTileRows rows) 4 KB ahead: measured on the AMD EPYC (Zen
-// 4), 2 threads, 128 cold experts' gate_up (K = 2048), against the weights in place, 8 rows an
-// expert 1.16-1.24x with it, 0.88-0.93x without (results/packed_experts.md's first, prototype
-// run, in git history). Tiles of 2-7 rows 8 KB ahead: moe_experts fp32, 128 cold experts, top-8
-// of random routing, 2 threads, processes with each distance alternated; 64 tokens (about 4 rows
-// an expert) 59-61 ms against 67-71 with none on a 60-67 GB/s bus, 74-79 against 83-86 on a
-// 35-37 GB/s one (16 KB: 59-64 / 76-79; 32 KB: 58-67 fast; 4 KB about level with none: 67-70 /
-// 81); 128 tokens 82-89 against 94-98 (slow bus). One-row tiles 8 KB ahead too: on the Zen 4
-// one row (16 tokens: one or two rows an expert) had run level with or without; on an Intel Xeon
-// (AMX; 2 threads, 128 cold experts in three layers cycled, top-8 of random routing, a run-time
-// switch alternated in one process) 8, 16 and 32 tokens 1.08x, 1.06x, 1.04x (26-27 -> 28 GB/s;
-// 4 KB and 16 KB ahead the same).
-constexpr int64_t kGroupAhead = 1024, kGroupAheadSmall = 2048;
-inline int64_t group_ahead(int64_t rows, int tile_rows = kLaneTileRows) {
-  return rows == tile_rows ? kGroupAhead : kGroupAheadSmall;
-}
-
 // A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
 // dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
 // place, no copy). Eight at a time with one vector store measured no faster: whole linears
@@ -376,12 +400,12 @@ static void transpose_chunk_ahead(const T* W, int64_t ldw, int np, int ncols, in
 // lane tiles' order, nothing transposed); the partials of each (row, column, chunk) are the
 // values dot_tile computes, finished by the same chunk tree: only the loop order differs from
 // the dot products. xl: x lane-packed (pack_lanes).
-template <int TR, typename T>
+template <int TR, bool kSpread, typename T>
 static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, int64_t rows, const T* W, int64_t ldw,
                                 int64_t kc, int chunks, int ncols, float* pbuf /* [chunks, rows, 16] */,
                                 float* wt /* [kc, 16] */, const float* wg, const float* bias, void* out, int64_t ldo,
                                 Elem oelem) {
-  const int64_t cstride = rows * kPanel;
+  const int64_t cstride = rows * kPanel, tiles = (rows + TR - 1) / TR;
   const LaneStarts starts(kc);
 #if !defined(TONP_AVX512)
   const StreamPlan streamed(wg, kc, rows);
@@ -409,7 +433,9 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
     }
 #endif
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
-      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, group_ahead(mr(), TR), starts) : LaneWalk::transposed(blk, kc, starts);
+      // a panel's chunks, then the next panel's, follow one another in the groups
+      const GroupFetch f = group_fetch(kSpread, kc * kPanel, tiles, r, mr(), TR);
+      const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, f, starts) : LaneWalk::transposed(blk, kc, starts);
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
     });
   }
@@ -433,14 +459,16 @@ static void linear_panels2(const float* xl, int64_t rows, const float* W, int64_
   const int64_t cstride = rows * kPanel, gsz = kc * chunks * kPanel;
   const LaneStarts starts(kc);
   float* const pb[2] = {pbuf, pbuf + chunks * cstride};
+  const int64_t tiles = (rows + TR - 1) / TR;
   for (int c = 0; c < chunks; ++c) {
     if (!wg) transpose_chunk_ahead(W, ldw, 2, kPanel, kc, c, chunks, wt);
     const float* b0 = wg ? wg + c * kc * kPanel : wt;
     const float* b1 = wg ? wg + gsz + c * kc * kPanel : wt + kc * kPanel;
+    const int64_t next = c + 1 < chunks ? kc * kPanel : 2 * gsz - c * kc * kPanel;  // after the last: the next two panels'
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
-      const int64_t ahead = group_ahead(mr(), TR);
-      const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, ahead, starts) : LaneWalk::transposed(b0, kc, starts);
-      const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, ahead, starts) : LaneWalk::transposed(b1, kc, starts);
+      const GroupFetch f = group_fetch(true, next, tiles, r, mr(), TR);
+      const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, f, starts) : LaneWalk::transposed(b0, kc, starts);
+      const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, f, starts) : LaneWalk::transposed(b1, kc, starts);
       lane_tile2_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, w0, w1, pb[0] + c * cstride + r * kPanel,
                               pb[1] + c * cstride + r * kPanel);
     });
