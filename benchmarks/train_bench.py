@@ -135,7 +135,8 @@ def report(meta: dict, case: str, res: dict) -> str:
          gemm_cell(b, "bf16", "tonp bf16 GEMM", "bf16 GEMM"), status(b["backward_gemm_vs_stock"]["bf16"] >= 0.7)]])
     return "\n".join([
         f"# Training speed, {meta['date']}", "",
-        f"{meta['cpu']}, kernel table **{isa}** (flags: {' '.join(meta['cpu_flags'])}), "
+        f"{meta['cpu']}, kernel table **{isa}**, bf16 backward GEMM on **{res.get('backward_gemm', isa)}** "
+        f"(flags: {' '.join(meta['cpu_flags'])}), "
         f"{meta['threads']} threads, torch {meta['torch']}; load average {meta['load_before']:.1f} "
         "before. Every ratio is between calls measured round-robin in this one process (median "
         "of the runs); absolute times move with the machine's load.", "",
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     case = (f"30B-A3B layer shapes, {config.num_hidden_layers} layer(s), vocab {config.vocab_size}, "
             f"{shape[0]} sequences x {shape[1]} tokens" if not a.quick else "tiny, 1 layer")
     meta = machine_meta()
-    res = {"isa": tk.isa(), "case": case, "meta": meta}
+    res = {"isa": tk.isa(), "backward_gemm": torch.ops.tonp.backward_gemm(), "case": case, "meta": meta}
     for dt in ("fp32", "bf16"):
         log(f"{case}: {dt}")
         res[dt] = measure(config, dt, shape, 1 if a.quick else a.repeat, 5.0 if a.quick else 600.0)

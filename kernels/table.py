@@ -84,6 +84,7 @@ OPS: Tuple[Op, ...] = (
     # --- tools: no numerics of their own, CPU only ---------------------------------------------
     Op("isa", cpp="library.cpp"),
     Op("linear_group_rows", cpp="library.cpp"),
+    Op("backward_gemm", cpp="library.cpp"),
     Op("max_chunks", cpp="library.cpp"),
     Op("float_dtypes", cpp="library.cpp"),
     Op("bf16_pair_isas", cpp="bf16dot_ops.cpp"),
@@ -99,7 +100,7 @@ OPS: Tuple[Op, ...] = (
 )
 BY_NAME: Dict[str, Op] = {o.name: o for o in OPS}
 # Tools return plain values (no tensors to fake, no device kernel).
-TOOLS = frozenset(("isa", "linear_group_rows", "max_chunks", "float_dtypes", "bf16_pair_isas", "bf16_pair_step",
+TOOLS = frozenset(("isa", "linear_group_rows", "backward_gemm", "max_chunks", "float_dtypes", "bf16_pair_isas", "bf16_pair_step",
                    "release_memory_pool", "huge_pages_copy", "pack_weight_groups", "amx_available", "amx_tdpbf16ps", "amx_pack_blocks",
                    "amx_linear_blocks", "fma_linear_blocks"))
 PUBLIC = tuple(o.name for o in OPS if o.wrapper)

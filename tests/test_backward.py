@@ -18,6 +18,10 @@ from conftest import assert_bitwise, env, num_threads, randn
 
 BUILDS = {"native": ("TONP_FORCE_PORTABLE", None), "avx2": ("TONP_FORCE_AVX2", "1"),
           "portable": ("TONP_FORCE_PORTABLE", "1")}
+# Where this process may run AMX, the native build's bf16 x bf16 backward GEMM runs on it
+# (csrc/gemm_amx.h): its zmm tiles (TONP_BACKWARD_AMX=0) are then a build of their own.
+if torch.ops.tonp.backward_gemm() == "amx":
+    BUILDS["avx512bf16 without AMX"] = ("TONP_BACKWARD_AMX", "0")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -120,6 +124,31 @@ def test_the_backward_gemm_gives_the_same_bits_from_any_operand_layout(dtype, ge
             got = torch.ops.tonp.linear_backward(g, col(x), col(w), [True, True, False], None)
         assert_bitwise(got[0], want[0], f"dx, column-major operands [{build}]")
         assert_bitwise(got[1], want[1], f"dW, column-major operands [{build}]")
+
+
+def test_the_bf16_backward_gemm_runs_on_amx_where_the_process_may(gen):
+    """Gradients are correct, not order-locked (CONTRACT.md "Gradients"), so on a CPU whose AMX
+    this process may use, the bf16 x bf16 backward GEMM runs on tdpbf16ps; TONP_BACKWARD_AMX=0
+    and the other tables keep their own. The switch is live: a weight gradient over 600 rows
+    (three k blocks; the gradient's A column-major, its B row-major; edge tiles of 8 rows and 9
+    columns) gets other bits on AMX than on the zmm tiles, both correct (every test here runs
+    both) and each its own bits twice."""
+    amx = tk.amx.available() and tk.isa() == "avx512bf16"
+    assert (torch.ops.tonp.backward_gemm() == "amx") == amx
+    with env("TONP_BACKWARD_AMX", "0"):
+        assert torch.ops.tonp.backward_gemm() == tk.isa()
+    with env("TONP_FORCE_PORTABLE", "1"):
+        assert torch.ops.tonp.backward_gemm() == "portable"
+    if not amx:
+        return
+    x = randn(600, 136, dtype=torch.bfloat16, gen=gen)
+    g = randn(600, 73, dtype=torch.bfloat16, gen=gen)
+    w = randn(73, 136, dtype=torch.bfloat16, gen=gen)
+    on = torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)
+    with env("TONP_BACKWARD_AMX", "0"):
+        off = torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)
+    assert not torch.equal(on[1].float(), off[1].float()), "the weight gradient did not change: AMX not run"
+    assert_bitwise(torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)[1], on[1], "AMX twice")
 
 
 def test_linear_backward_refuses_operands_that_do_not_match(gen):

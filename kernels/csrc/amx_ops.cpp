@@ -26,11 +26,10 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_check.h"
+
 #if defined(__x86_64__) && defined(__linux__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TONP_AMX_BUILD 1
 #define TONP_AMX __attribute__((target("amx-tile,amx-bf16")))
 #else
@@ -50,30 +49,9 @@ struct alignas(64) TileConfig {
   void set(int t, int rows_, int colsb_) { rows[t] = uint8_t(rows_), colsb[t] = uint16_t(colsb_); }
 };
 
-bool cpu_reports_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  if (!tile || !bf16) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (lo & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA enabled by the OS
-}
 #endif
 
-bool amx_available() {
-#if TONP_AMX_BUILD
-  static const bool ok = [] {
-    if (!cpu_reports_amx_bf16()) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+bool amx_available() { return tonp_amx::amx_ready(); }  // amx_check.h
 
 void require_amx(const char* op) {
   TORCH_CHECK(amx_available(), "tonp.", op, ": this CPU has no AMX-BF16 the process may use (it needs AMX-TILE "

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #include <immintrin.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#include "amx_check.h"
 #include "kernels.h"
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 #define TONP_AVX2 1
@@ -26,6 +28,7 @@ namespace tonp_avx512bf16 {
 #include "bf16dot_hw.h"
 #include "gemm.h"
 #include "gemm_hw.h"
+#include "gemm_amx.h"
 
 // Edge cases of one step: subnormal inputs and accumulators, products and sums near FLT_MIN
 // (where tininess before and after rounding differ), cancellation, infinities, NaN.
@@ -119,8 +122,9 @@ const Kernels* kernels_avx512bf16() {
     t.weight_groups_bf16 = true;  // its one-row tiles read bf16 groups (kGroupCols)
     t.group_lane_runs = tonp_avx512bf16::kGroupLaneRuns;  // its two-lane passes read fp32 groups' lanes in pairs
     t.bf16_pair_step = tonp_avx512bf16::bf16_pair_step_hw;
-    t.gemm = tonp_avx512bf16::gemm_hw;
-    t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_hw;
+    t.gemm = tonp_avx512bf16::gemm_amx_hw;  // bf16 x bf16 on AMX where it runs (gemm_amx.h)
+    t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_amx_hw;
+    t.gemm_on_amx = tonp_avx512bf16::gemm_on_amx;
     t.grad_to_bf16 = tonp_avx512bf16::grad_to_bf16_hw;
     return &t;
 #else
@@ -142,3 +146,4 @@ const Kernels* kernels_avx512bf16_pairs() {
   return table;
 }
 }  // namespace tonp
+

@@ -369,6 +369,9 @@ struct Kernels {
   // "sample"); score: n floats of scratch.
   float (*row_max)(const void* x, int64_t V, Elem e, float temperature, float* y, bool* nan);
   int64_t (*gumbel_argmax)(const float* y, const int64_t* ids, int64_t n, uint64_t key, float* score);
+  // Whether gemm and gemm_bf16out run bf16 x bf16 operands on AMX now (the AVX512-BF16 table on
+  // a CPU whose AMX this process may use, unless TONP_BACKWARD_AMX=0); null: never.
+  bool (*gemm_on_amx)() = nullptr;
 };
 
 // The row-block cap of a tk.linear call of `rows` rows and reduction length K
