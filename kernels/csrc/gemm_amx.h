@@ -22,8 +22,8 @@ struct alignas(64) GemmTileConfig {
 
 constexpr int64_t kAmxK = 32;  // elements of k per tdpbf16ps (16 pairs: a 64-byte tile row)
 
-// A's rows i0 .. i0 + m (padded with zero rows to a multiple of 32) and columns k0 .. k0 + kc
-// (zero to kcp, a multiple of 32), row-major bf16: ap[r * kcp + kk].
+// A's rows 0 .. m (zero rows up to a multiple of 32) and columns k0 .. k0 + kc (zeros up to kcp,
+// a multiple of 32), row-major bf16 lda elements apart: ap[r * lda + kk].
 static void amx_pack_a(const tonp::GemmOperand& a, int64_t m, int64_t k0, int64_t kc, int64_t kcp, uint16_t* ap, int64_t lda) {
   const int64_t mp = (m + 31) / 32 * 32;
   const uint16_t* s = static_cast<const uint16_t*>(a.p);
@@ -122,7 +122,9 @@ TONP_AMX_FN static void amx_release() { _tile_release(); }
 template <bool BF16OUT>
 static void gemm_amx_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
                           void* cv, int64_t ldc, bool accumulate, float* scratch) {
-  IeeeScope ieee;
+  // No MXCSR scope: tdpbf16ps does not read MXCSR (its rounding and flushing are its own:
+  // CONTRACT.md, "What AMX computes"), nor does the one other operation, a bf16 C's rounding by
+  // vcvtneps2bf16.
   constexpr int64_t KC = tonp::kGemmKc;
   const int64_t kcmax = (std::min(KC, k) + kAmxK - 1) / kAmxK * kAmxK;
   const int64_t sstride = kcmax / 2 * 64;  // uint32 per packed B strip: kcmax / 2 pairs of 64 columns
