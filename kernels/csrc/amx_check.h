@@ -1,8 +1,9 @@
-// Whether this process may run AMX-BF16: the CPU reports AMX-TILE and AMX-BF16, the OS enabled
-// their state in XCR0, and the kernel granted this process the tile data (arch_prctl
-// ARCH_REQ_XCOMP_PERM), asked once per file that includes this (amx_ops.cpp's tools, the
-// AVX512-BF16 table's backward GEMM, gemm_amx.h). Header-only, so the standalone benchmarks that
-// link the ISA files need no other object. No tile instruction here.
+// What every user of AMX-BF16 shares (amx_ops.cpp's tools, the AVX512-BF16 table's backward GEMM,
+// gemm_amx.h): whether this process may run it (the CPU reports AMX-TILE and AMX-BF16, the OS
+// enabled their state in XCR0, and the kernel granted this process the tile data: arch_prctl
+// ARCH_REQ_XCOMP_PERM, asked once per file that includes this), and the tile configuration
+// ldtilecfg reads. Header-only, so the standalone benchmarks that link the ISA files need no
+// other object. No tile instruction here.
 #pragma once
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -10,7 +11,18 @@
 #include <unistd.h>
 #endif
 
+#include <cstdint>
+
 namespace tonp_amx {
+
+// The tile configuration (palette 1): rows and bytes per row of each of the eight tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int t, int rows_, int colsb_) { rows[t] = uint8_t(rows_), colsb[t] = uint16_t(colsb_); }
+};
 
 static inline bool amx_ready() {
 #if defined(__x86_64__) && defined(__linux__)

@@ -39,17 +39,7 @@
 namespace tonp {
 namespace {
 
-#if TONP_AMX_BUILD
-// The tile configuration (palette 1): rows and bytes per row of each of the eight tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  void set(int t, int rows_, int colsb_) { rows[t] = uint8_t(rows_), colsb[t] = uint16_t(colsb_); }
-};
-
-#endif
+using tonp_amx::TileConfig;  // amx_check.h
 
 bool amx_available() { return tonp_amx::amx_ready(); }  // amx_check.h
 

@@ -9,17 +9,6 @@
 // TONP_BACKWARD_AMX=0 (read at each call) keeps the vdpbf16ps tiles (gemm_hw.h).
 #define TONP_AMX_FN __attribute__((target("amx-tile,amx-bf16")))
 
-// The tile configuration (palette 1): eight tiles of 16 rows by 64 bytes.
-struct alignas(64) GemmTileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  GemmTileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
-
 constexpr int64_t kAmxK = 32;  // elements of k per tdpbf16ps (16 pairs: a 64-byte tile row)
 
 // A's rows 0 .. m (zero rows up to a multiple of 32) and columns k0 .. k0 + kc (zeros up to kcp,
@@ -106,8 +95,12 @@ TONP_AMX_FN static void amx_block(const uint16_t* ap, int64_t lda, const uint32_
   _tile_stored(3, c + 16 * ldc + 16, lb);
 }
 
-TONP_AMX_FN static void amx_config() {
-  static const GemmTileConfig cfg;
+TONP_AMX_FN static void amx_config() {  // all eight tiles 16 rows by 64 bytes
+  static const tonp_amx::TileConfig cfg = [] {
+    tonp_amx::TileConfig c;
+    for (int t = 0; t < 8; ++t) c.set(t, 16, 64);
+    return c;
+  }();
   _tile_loadconfig(&cfg);
 }
 TONP_AMX_FN static void amx_release() { _tile_release(); }
