@@ -109,7 +109,8 @@ const Kernels* kernels_avx512bf16() {
     tonp_avx512bf16::set_pair_tiles(t, tonp_avx512bf16::intel_cpu());
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.row_block_f32 = tonp::kRowBlockF32;
-    t.linear_panel_bf16 = tonp_avx512bf16::linear_panel_bf16_hw;
+    t.linear_panel_bf16 = tonp_avx512bf16::intel_cpu() ? tonp_avx512bf16::linear_panel_bf16_hw<true>
+                                                       : tonp_avx512bf16::linear_panel_bf16_hw<false>;
     t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
     t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1
