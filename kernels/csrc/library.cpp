@@ -36,9 +36,6 @@ TORCH_LIBRARY(tonp, m) {
   // The kernel table this process uses: "avx512bf16", "avx2" (TONP_FORCE_AVX2=1) or "portable"
   // (TONP_FORCE_PORTABLE=1, or no AVX2).
   m.def("isa() -> str", [] { return std::string(tonp::K()->name); });
-  // The row count from which this table's tk.linear reads an fp32 weight group it is given
-  // (Kernels::linear_group_rows_f32; 0: it reads none). A speed choice made per CPU: the bits are
-  // the same either way.
   // The backward GEMM's bf16 x bf16 arithmetic in this process now: "amx" (tdpbf16ps; the
   // AVX512-BF16 table where AMX may run, unless TONP_BACKWARD_AMX=0), else the table's name.
   // Gradients are correct, not order-locked: each build has its own (CONTRACT.md).
@@ -46,6 +43,9 @@ TORCH_LIBRARY(tonp, m) {
     const tonp::Kernels* k = tonp::K();
     return std::string(k->gemm_on_amx && k->gemm_on_amx() ? "amx" : k->name);
   });
+  // The row count from which this table's tk.linear reads an fp32 weight group it is given
+  // (Kernels::linear_group_rows_f32; 0: it reads none). A speed choice made per CPU: the bits are
+  // the same either way.
   m.def("linear_group_rows() -> int", [] { return static_cast<int64_t>(tonp::K()->linear_group_rows_f32); });
   // The constants the Python side imports (tonp_kernels._library), defined here once: the most
   // reduction chunks a linear may use (kernels.h) and the float dtypes the kernels take (elem_of).
