@@ -106,7 +106,7 @@ def test_row_invariance_with_short_chunks(dtype, gen):
 
 def test_row_invariance_on_fp32_weight_groups(gen):
     """Given its fp32 weight groups, tk.linear reads them from a row count chosen per CPU
-    (torch.ops.tonp.linear_group_rows(): 1 on an AMD Zen 5, 2 on Intel, 20 on other AVX-512
+    (torch.ops.tonp.linear_group_rows(): 1 on an AMD Zen 5 and on Intel, 20 on other AVX-512
     CPUs, 8 on AVX2) and in place below it, in row blocks whose lane-packed x fits a per-CPU
     budget (kernels.h group_row_block: 60 rows at K = 2048 on Intel, else 256): each row alone,
     among other rows and on another thread count gives the same bits across those thresholds

@@ -35,8 +35,11 @@ constexpr int kLinearGroupRowsZmm = 20;
 // 2048-16384, a run-time switch alternated in one process, every output equal: lane passes on
 // the groups against the dot tiles in place 0.89-0.94x at one row, 1.15-1.26x at 2, 0.97-1.14x
 // at 3, 0.77-1.06x at 4 (both at the bus's 24 GB/s there), 1.11-1.22x at 5-6, 1.23-1.32x at 8,
-// 1.30-1.49x at 12-19 (the dot tiles 74-111 GFLOP/s, the lane tiles 110-161).
-constexpr int kLinearGroupRowsIntel = 2;
+// 1.30-1.49x at 12-19 (the dot tiles 74-111 GFLOP/s, the lane tiles 110-161). Since a lone
+// tile's fetch runs 1 KB on there (linear_lanes.h, kGroupAheadNear), one row too: the same
+// comparison, 1.16-1.20x at K = 2048 (N = 5120 and 16384; 28-29 -> 33-34 GB/s), level at K = 4096
+// (0.99x, N = 2048: its one-panel tiles), 0.94x on the 128-column router (a 1 MB weight).
+constexpr int kLinearGroupRowsIntel = 1;
 // The bytes of lane-packed x a row block on fp32 weight groups may take on Intel
 // (Kernels::group_block_bytes_f32; elsewhere no cap): a quarter of its 2 MB L2, so that the x
 // every panel of the block re-reads stays there (256 rows at K = 2048 had filled it). Same Xeon,
