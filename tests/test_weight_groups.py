@@ -29,9 +29,15 @@ def reads_groups(dtype, isa=None) -> bool:
 
 
 def group_rows(dtype) -> int:
-    """The rows a task needs to read this dtype's groups in this build (bf16: one row only; AVX2
-    fp32: linear_impl.h's kGroupRowsBuild)."""
+    """The rows a task needs to read this dtype's groups in this build (AVX2 fp32:
+    linear_impl.h's kGroupRowsBuild)."""
     return 4 if tk.isa() == "avx2" and dtype == torch.float32 else 1
+
+
+def bf16_group_rows_max() -> int:
+    """The most rows whose bf16 x bf16 tasks read bf16 groups: one, and on Intel's AVX512-BF16
+    table six (bf16dot_hw.h: pair tiles of up to kGroupPairsIntel pairs on the group)."""
+    return 6 if tk.isa() == "avx512bf16" and _intel() else 1
 
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -138,19 +144,22 @@ def test_moe_experts_fp32_give_the_portable_bits_in_either_lane_layout(pair_tile
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_reads_the_groups_it_is_given(dtype):
     """The twin: groups packed from other weights of the same shape change a one-row output (so
-    the equality above compares a path that really reads them); two and four rows an expert read
-    them in fp32 (every row count) and not in bf16 (one row only). The AVX2 build reads fp32
-    groups from four rows: there one and two rows read W in place."""
+    the equality above compares a path that really reads them); two, four and eight rows an
+    expert read them in fp32 (every row count), in bf16 up to bf16_group_rows_max() rows (one,
+    on Intel six). The AVX2 build reads fp32 groups from four rows: there one and two rows read
+    W in place."""
     gu, dn = _experts(8, 96, 128, dtype=dtype)
     other_gu, other_dn = _experts(8, 96, 128, seed=5, dtype=dtype)
     gug, dng = _packed(other_gu, 8), _packed(other_dn, 8)
-    x = torch.randn(4, 128).to(dtype)
+    x8 = torch.randn(8, 128).to(dtype)
     for ids, rows in ((torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), 1),   # every expert one row
                       (torch.tensor([[0, 1], [0, 1], [2, 3], [2, 3]]), 2),   # two rows an expert
-                      (torch.tensor([[0, 1]] * 4), 4)):                      # four rows an expert
+                      (torch.tensor([[0, 1]] * 4), 4),                       # four rows an expert
+                      (torch.tensor([[0, 1]] * 8), 8)):                      # eight rows an expert
+        x = x8[:ids.shape[0]]
         got, in_place = (tk.moe_experts(x, ids, gu, dn, gate_up_groups=gug, down_groups=dng),
                          tk.moe_experts(x, ids, gu, dn))
-        reads = rows >= group_rows(dtype) and (dtype == torch.float32 or rows == 1)
+        reads = rows >= group_rows(dtype) and (dtype == torch.float32 or rows <= bf16_group_rows_max())
         if reads:
             assert not torch.equal(got, in_place), f"{rows} row(s): the groups not read"
         else:
@@ -509,11 +518,14 @@ def test_dense_layers_hold_fp32_groups_only_and_roll_out_the_same_bits(dtype):
 
 def test_linear_reads_bf16_groups_in_the_one_row_tiles():
     """The bf16 twin: where the table reads bf16 groups, another weight's groups change a
-    one-row bf16 x bf16 output (the one-row pair tiles read them) and leave two rows (read in
-    place) unchanged."""
+    one-row bf16 x bf16 output (the one-row tiles read them), on Intel also 2-6 rows (pair
+    tiles on the group), and leave one row more (read in place) unchanged."""
     g = torch.Generator().manual_seed(5)
     w, other = (torch.randn(64, 256, generator=g).bfloat16() for _ in range(2))
     og = _packed(other, 8)
-    x = torch.randn(2, 256, generator=g).bfloat16()
-    assert not torch.equal(tk.linear(x[:1], w, weight_groups=og), tk.linear(x[:1], w))
-    assert_bitwise(tk.linear(x, w, weight_groups=og), tk.linear(x, w), "two rows: W in place")
+    most = bf16_group_rows_max()
+    x = torch.randn(most + 1, 256, generator=g).bfloat16()
+    for rows in sorted({1, 2, 3, most} & set(range(1, most + 1))):
+        assert not torch.equal(tk.linear(x[:rows], w, weight_groups=og), tk.linear(x[:rows], w)), \
+            f"{rows} row(s) did not read the groups"
+    assert_bitwise(tk.linear(x, w, weight_groups=og), tk.linear(x, w), f"{most + 1} rows: W in place")

@@ -27,8 +27,12 @@ using tonp::WeightWalk;  // kernels.h: in place or a weight group (block: 16 bf1
 // one process, the distances alternated) 1.21x against none (23.1 -> 28.0 GB/s), 0.5 / 1 / 3 /
 // 4 / 8 KB 1.13x / 1.16x / 1.22x / 1.17x / 1.15x. (The pair tiles' in-place rows keep the next
 // tile's rows: the same 1-2 KB on along their own rows ran 0.77-0.87x at 4 and 8 rows an expert,
-// 8-16 rows ahead 0.94-0.98x.)
+// 8-16 rows ahead 0.94-0.98x.) On Intel, pair tiles of up to kGroupPairsIntel pairs (6 rows)
+// read the group too, all eight columns a step (hw_dot_tile2<MP, 8>), against the next-tile
+// prefetch in place: 16 / 32 / 64 tokens 1.05x / 1.04x / 1.04x, 96 (six rows) 0.99x; the fetch at
+// 1 / 4 / 8 KB on ran 0.95-0.98x / 0.95-0.99x / 0.90-0.96x of 2 KB.
 constexpr int64_t kGroupFetchBf16 = 2048;
+constexpr int kGroupPairsIntel = 3;
 template <int MR, int NR>
 static inline void hw_dot_tile(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* w, WeightWalk ww, int64_t kc,
                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead, int64_t fetch_bytes = 0) {
@@ -107,9 +111,11 @@ static inline __m512 hw_close8(const __m512* a, const __m512* b, __m512 zero) {
 // (six blocks a chunk, where the closure weighs most) 4 / 8 / 16 rows 1.36x / 1.23x / 1.24x;
 // moe_experts (128 experts, cold, top-8 of random routing, 2 threads) at 8 rows an expert
 // 42-50 ms against 49-54, at 16 rows 70-73 against 81-97, at 4 level within the noise.
+// The weights: in place (prefetch_ahead: the next tile's columns at each line) or a weight group
+// (NR = kGroupCols: one 256-byte block a step, one stream; fetch_bytes: its lines that far on).
 template <int MP, int NR>
-static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const uint16_t* w, int64_t ldw, int64_t kc,
-                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead) {
+static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const uint16_t* w, WeightWalk ww, int64_t kc,
+                                int chunks, float* out, int64_t ldo, int64_t prefetch_ahead, int64_t fetch_bytes = 0) {
   constexpr int MR = 2 * MP, NT = MR * NR;
   float part[tonp::kMaxChunks][NT];
   const int64_t full = kc / 16;  // whole weight blocks; a last partial one is read masked
@@ -117,12 +123,12 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
     __m512 acc[MP * NR];
     for (int i = 0; i < MP * NR; ++i) acc[i] = _mm512_setzero_ps();
     const uint16_t* xc = xp + c * nb * P * 32;
-    const uint16_t* wc = w + c * kc;
+    const uint16_t* wc = w + c * ww.lc;
     auto step = [&](int64_t b, int64_t valid) {
       __m512i xv[MP];
       for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_si512(xc + (b * P + p) * 32);
       for (int n = 0; n < NR; ++n) {
-        const uint16_t* q = wc + n * ldw + 16 * b;
+        const uint16_t* q = wc + n * ww.ln + b * ww.lb;
         const __m512i wv = valid >= 16 ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)))
                                        : _mm512_broadcast_i64x4(hw_block16(q, valid));
         for (int p = 0; p < MP; ++p)
@@ -131,16 +137,26 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
       }
     };
     int64_t b = 0;
-    for (; b + 2 <= full; b += 2) {  // two blocks: one cache line of each weight row
+    for (; b + 2 <= full; b += 2) {  // two blocks: one cache line of each weight row in place
       if (prefetch_ahead)  // integer addresses (never faults)
         for (int n = 0; n < NR; ++n)
-          prefetch_w(reinterpret_cast<uintptr_t>(wc) + 2 * uintptr_t((n + prefetch_ahead) * ldw + 16 * b));
+          prefetch_w(reinterpret_cast<uintptr_t>(wc) + 2 * uintptr_t((n + prefetch_ahead) * ww.ln + b * ww.lb));
+      if (fetch_bytes)  // a group: the two blocks' lines, fetch_bytes on
+        for (int64_t j = 0; j < 4 * ww.lb; j += 64) prefetch_w(reinterpret_cast<uintptr_t>(wc + b * ww.lb) + uintptr_t(fetch_bytes + j));
       step(b, 16);
       step(b + 1, 16);
     }
     for (; b < full; ++b) step(b, 16);
     if (full * 16 < kc) step(full, kc - full * 16);
-    if constexpr (NR == 4) {
+    if constexpr (NR == 8) {
+      // A pair's eight columns close in zmm as two halves of four (hw_close8 with the upper half
+      // in the second pair's place: the same adds), its 128-bit blocks (row 2p columns 0-3, row
+      // 2p + 1 columns 0-3, row 2p columns 4-7, row 2p + 1 columns 4-7) put in row order.
+      for (int p = 0; p < MP; ++p) {
+        const __m512 s = hw_close8(acc + p * 8, acc + p * 8 + 4, _mm512_setzero_ps());
+        _mm512_storeu_ps(part[c] + 2 * p * 8, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0)));
+      }
+    } else if constexpr (NR == 4) {
       // Two pairs' four columns (one pair's and zeros for an odd last pair) close in zmm: part
       // rows 2p .. 2p + 3 are sixteen consecutive floats.
       for (int p = 0; p < MP; p += 2) {
@@ -164,8 +180,9 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
 
 // All ncols <= kPanelPairs columns (out: [rows, kPanelPairs]): one row (x in place; MP = 0), or
 // 2 * MP rows over x in row pairs. Each tile prefetches the next tile's weight rows (the panel's
-// last tile: rows past it, the next panel's or past W). wg: these columns' weight group (one row,
-// ncols == kGroupCols) or null; kGroupFetch: its walk fetches kGroupFetchBf16 bytes on (Intel).
+// last tile: rows past it, the next panel's or past W). wg: these columns' weight group
+// (ncols == kGroupCols) or null, read by the one-row tile and, on Intel (kGroupFetch), by pair
+// tiles of up to kGroupPairsIntel pairs too, each walk fetching kGroupFetchBf16 bytes on.
 template <int MP, bool kGroupFetch>
 static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* xp, int64_t P, int64_t nb,
                                const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
@@ -183,8 +200,14 @@ static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, cons
     for (; n + 4 <= ncols; n += 4) hw_dot_tile<1, 4>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
     for (; n < ncols; ++n) hw_dot_tile<1, 1>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
   } else {
-    for (; n + 4 <= ncols; n += 4) hw_dot_tile2<MP, 4>(xp, P, nb, w + n * ldw, ldw, kc, chunks, out + n, ld, 4);
-    for (; n < ncols; ++n) hw_dot_tile2<MP, 1>(xp, P, nb, w + n * ldw, ldw, kc, chunks, out + n, ld, 0);
+    if constexpr (kGroupFetch && MP <= kGroupPairsIntel) {
+      if (wg && ncols == tonp::kGroupCols) {
+        hw_dot_tile2<MP, 8>(xp, P, nb, wg, WeightWalk::bf16_group(kc), kc, chunks, out, ld, 0, kGroupFetchBf16);
+        return;
+      }
+    }
+    for (; n + 4 <= ncols; n += 4) hw_dot_tile2<MP, 4>(xp, P, nb, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
+    for (; n < ncols; ++n) hw_dot_tile2<MP, 1>(xp, P, nb, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
   }
 }
 
@@ -381,11 +404,13 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
   for (int n0 = 0; n0 < ncols; n0 += 8) {
     const int nc = std::min(8, ncols - n0);
     const uint16_t* w = W + n0 * ldw;
-    // Weight groups serve one row only: with more rows the row tiles read these columns in place,
-    // and a lone last row's tile finds them in L1 there (the group would be a second read). The
-    // pair tiles reading the groups instead (two tiles over a group's two column halves) ran the
-    // experts' stage at 128 tokens 0.6-0.7x as fast, cold, on either bus.
-    const uint16_t* wg = wgroups && rows == 1
+    // Weight groups serve one row, and on Intel up to kGroupPairsIntel row pairs (one pair tile
+    // over the group's eight columns, one stream); with more rows the row tiles read these
+    // columns in place, and a lone last row's tile finds them in L1 there (the group would be a
+    // second read). On the AMD EPYC the pair tiles reading the groups (then two tiles over a
+    // group's two column halves) ran the experts' stage at 128 tokens 0.6-0.7x as fast, cold, on
+    // either bus.
+    const uint16_t* wg = wgroups && (rows == 1 || (kGroupFetch && rows <= 2 * kGroupPairsIntel))
                              ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks, tonp::Elem::BF16)
                              : nullptr;
     int64_t r = 0;
