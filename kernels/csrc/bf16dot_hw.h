@@ -374,8 +374,9 @@ static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t
   }
 }
 
-// ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns). kGroupFetch: the
-// one-row tiles prefetch along a weight group (the table on Intel; hw_dot_tile).
+// ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns). kGroupFetch (the
+// table on Intel): the tiles on a weight group prefetch along it, and pair tiles of up to
+// kGroupPairsIntel pairs read it too (hw_dot_cols).
 template <bool kGroupFetch>
 static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                                  int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
