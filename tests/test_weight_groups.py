@@ -104,9 +104,9 @@ def test_fp32_pack_layout_is_the_tables_lane_order():
                                            (3, 48, 200, 4), (5, 36, 64, 1), (3, 44, 84, 2),
                                            (4, 32, 48, 8)])
 def test_moe_experts_with_groups_is_bitwise_in_place(E, I, H, chunks, dtype):
-    """Every row count (bf16: one row an expert reads the groups, more rows read in place; fp32:
-    every row count (AVX2: from two) reads them, in lane tiles of 1-8 rows, full tiles prefetching
-    ahead), chunks
+    """Every row count (bf16: one row an expert reads the groups, on Intel up to six in pair
+    tiles, more rows read in place; fp32: every row count (AVX2: from two) reads them, in lane
+    tiles of 1-8 rows, full tiles prefetching ahead), chunks
     whose size is not a multiple of the block or of a lane step (bf16's zero-padded blocks and
     tail step, fp32's lanes with one step more than their pair's), chunks of at most one lane
     step (kc <= 8), N not a multiple of 8 (the last columns in place) or of 16 (an edge panel):
