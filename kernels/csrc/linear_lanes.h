@@ -131,9 +131,12 @@ inline int64_t group_ahead(int64_t rows, int tile_rows = kLaneTileRows) {
 // 32 at 16 KB. moe_experts fp32 (128 cold experts in three layers cycled, top-8 of random routing,
 // 2 threads, distances alternated in one process), against 8 KB: 16 tokens (one row an expert)
 // 1.13x (29.5 -> 33.2 GB/s), 64 tokens (four) 1.09x (27.5 -> 29.9); 2 KB 1.08x / 1.06x, 4 KB
-// 1.03x / 1.05x, 0.5 KB level with 1 KB; tk.linear at 2 and 4 rows 1.06-1.17x. Spreading over two
-// or three tiles stays: 1 KB ahead from every tile there ran 0.89-1.01x on the dense linears at
-// 16 rows.
+// 1.03x / 1.05x, 0.5 KB level with 1 KB; tk.linear at 2 and 4 rows 1.06-1.17x. The two-panel
+// tiles' chunks that exactly two tiles read (7-12 rows) fetch the same way from each tile when
+// longer than kShortChunk (linear_panels2): cold, against the spread, tk.linear at K = 2048
+// 1.04-1.11x (N = 1536-16384), moe_experts at 8 and 12 rows an expert 1.035x / 1.026x (6 rows
+// 1.01x); on chunks of 96 (K = 768) it ran 0.94-0.97x, and from three tiles on the spread stays
+// (1 KB from every tile: 0.96-1.00x at 16 rows, K = 2048).
 constexpr int64_t kGroupAheadNear = 256;
 struct GroupFetch {
   int64_t ahead, every, phase;
@@ -477,7 +480,8 @@ static void linear_panels2(const float* xl, int64_t rows, const float* W, int64_
     const float* b1 = wg ? wg + gsz + c * kc * kPanel : wt + kc * kPanel;
     const int64_t next = c + 1 < chunks ? kc * kPanel : 2 * gsz - c * kc * kPanel;  // after the last: the next two panels'
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
-      const GroupFetch f = group_fetch(true, next, tiles, r, mr(), TR);
+      const GroupFetch f = tiles == 2 && kc > tonp::kShortChunk ? GroupFetch{kGroupAheadNear, 1, 0}
+                                                                : group_fetch(true, next, tiles, r, mr(), TR);
       const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, f, starts) : LaneWalk::transposed(b0, kc, starts);
       const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, f, starts) : LaneWalk::transposed(b1, kc, starts);
       lane_tile2_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, w0, w1, pb[0] + c * cstride + r * kPanel,
