@@ -133,7 +133,7 @@ inline int64_t group_ahead(int64_t rows, int tile_rows = kLaneTileRows) {
 // 1.13x (29.5 -> 33.2 GB/s), 64 tokens (four) 1.09x (27.5 -> 29.9); 2 KB 1.08x / 1.06x, 4 KB
 // 1.03x / 1.05x, 0.5 KB level with 1 KB; tk.linear at 2 and 4 rows 1.06-1.17x. The two-panel
 // tiles' chunks that exactly two tiles read (7-12 rows) fetch the same way from each tile when
-// longer than kShortChunk (linear_panels2): cold, against the spread, tk.linear at K = 2048
+// longer than kShortChunk (group_fetch's `pairs`): cold, against the spread, tk.linear at K = 2048
 // 1.04-1.11x (N = 1536-16384), moe_experts at 8 and 12 rows an expert 1.035x / 1.026x (6 rows
 // 1.01x); on chunks of 96 (K = 768) it ran 0.94-0.97x, and from three tiles on the spread stays
 // (1 KB from every tile: 0.96-1.00x at 16 rows, K = 2048).
@@ -141,7 +141,11 @@ constexpr int64_t kGroupAheadNear = 256;
 struct GroupFetch {
   int64_t ahead, every, phase;
 };
-static inline GroupFetch group_fetch(bool spread, int64_t next, int64_t tiles, int64_t r, int mr, int tile_rows) {
+// spread: the Intel table's plan (kSpread); pairs: the two-panel tiles (linear_panels2), whose
+// chunks of more than kShortChunk that exactly two tiles read take the 1 KB fetch from each tile.
+static inline GroupFetch group_fetch(bool spread, bool pairs, int64_t kc, int64_t next, int64_t tiles, int64_t r, int mr,
+                                     int tile_rows) {
+  if (spread && pairs && tiles == 2 && kc > tonp::kShortChunk) return {kGroupAheadNear, 1, 0};
   if (spread && tiles >= 2) return {next, tiles, r / tile_rows};
   if (spread && mr < tile_rows) return {kGroupAheadNear, 1, 0};
   return {group_ahead(mr, tile_rows), 1, 0};
@@ -448,7 +452,7 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
 #endif
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
       // a panel's chunks, then the next panel's, follow one another in the groups
-      const GroupFetch f = group_fetch(kSpread, kc * kPanel, tiles, r, mr(), TR);
+      const GroupFetch f = group_fetch(kSpread, false, kc, kc * kPanel, tiles, r, mr(), TR);
       const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, f, starts) : LaneWalk::transposed(blk, kc, starts);
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
     });
@@ -480,8 +484,7 @@ static void linear_panels2(const float* xl, int64_t rows, const float* W, int64_
     const float* b1 = wg ? wg + gsz + c * kc * kPanel : wt + kc * kPanel;
     const int64_t next = c + 1 < chunks ? kc * kPanel : 2 * gsz - c * kc * kPanel;  // after the last: the next two panels'
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
-      const GroupFetch f = tiles == 2 && kc > tonp::kShortChunk ? GroupFetch{kGroupAheadNear, 1, 0}
-                                                                : group_fetch(true, next, tiles, r, mr(), TR);
+      const GroupFetch f = group_fetch(true, true, kc, next, tiles, r, mr(), TR);
       const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, f, starts) : LaneWalk::transposed(b0, kc, starts);
       const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, f, starts) : LaneWalk::transposed(b1, kc, starts);
       lane_tile2_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, w0, w1, pb[0] + c * cstride + r * kPanel,
