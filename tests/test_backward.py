@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tonp_kernels as tk
+import tonp_kernels.amx  # noqa: F401  (tk.amx: the AMX tests below, run alone or in the suite)
 from tonp_kernels import reference
 from conftest import assert_bitwise, env, num_threads, randn
 
@@ -149,6 +150,47 @@ def test_the_bf16_backward_gemm_runs_on_amx_where_the_process_may(gen):
         off = torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)
     assert not torch.equal(on[1].float(), off[1].float()), "the weight gradient did not change: AMX not run"
     assert_bitwise(torch.ops.tonp.linear_backward(g, x, w, [True, True, False], None)[1], on[1], "AMX twice")
+
+
+def _amx_chain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A [m, k] @ B [k, n] (bf16) as the AMX backward GEMM sums it: from +0, one tdpbf16ps (the
+    measured model, tk.amx) per 32 elements of k in order, k zero-padded to a multiple of 32."""
+    m, k = a.shape
+    kp = -(-k // 32) * 32
+    ap = torch.zeros(m, kp, dtype=torch.bfloat16)
+    bp = torch.zeros(kp, b.shape[1], dtype=torch.bfloat16)
+    ap[:, :k], bp[:k] = a, b
+    c = torch.zeros(m, b.shape[1])
+    for s in range(0, kp, 32):
+        c = tk.amx.tdpbf16ps_model(c, ap[:, s:s + 32].reshape(m, 16, 2),
+                                   bp[s:s + 32].reshape(16, 2, -1).permute(0, 2, 1))
+    return c
+
+
+def test_the_amx_backward_gemm_is_the_instructions_chain_bit_for_bit(gen):
+    """The bf16 backward GEMM on AMX packs both operands once for all its tiles (gemm_amx.h,
+    grad_common.h): each output must still be its own chain of tdpbf16ps over k from +0, rounded
+    once to bf16, wherever its tile, k block and 32 x 32 block fall. Checked against the
+    instruction's measured model (tk.amx.tdpbf16ps_model, 100% of its outputs in amx_bench.py)
+    on a dx and a weight gradient of 2 x 3 tiles of C, k blocks of 8 steps and a partial one,
+    edge blocks of 24 rows and 14 columns, from row-major and column-major operands (the packs'
+    paths by 32-line blocks and by steps of k), at 1 and 2 threads. A plain fp32 sum of the
+    same products (torch.mm) gives other bits: the check can fail."""
+    if not (tk.amx.available() and torch.ops.tonp.backward_gemm() == "amx"):
+        pytest.skip("no AMX-BF16 this process may use (the zmm builds are covered above)")
+    g = randn(600, 300, dtype=torch.bfloat16, gen=gen)
+    x = randn(600, 270, dtype=torch.bfloat16, gen=gen)
+    w = randn(300, 270, dtype=torch.bfloat16, gen=gen)
+    want_dx, want_dw = _amx_chain(g, w).bfloat16(), _amx_chain(g.t(), x).bfloat16()
+    assert not torch.equal((g.float() @ w.float()).bfloat16(), want_dx), "the chain and a plain sum agree"
+    col = lambda t: t.t().contiguous().t()  # noqa: E731
+    for threads in (1, 2):
+        for gg, xx, ww in ((g, x, w), (col(g), col(x), col(w))):
+            with num_threads(threads):
+                dx, dw, _ = torch.ops.tonp.linear_backward(gg, xx, ww, [True, True, False], None)
+            layout = "row-major" if gg.is_contiguous() else "column-major"
+            assert_bitwise(dx, want_dx, f"dx on AMX, {layout}, {threads} thread(s)")
+            assert_bitwise(dw, want_dw, f"dW on AMX, {layout}, {threads} thread(s)")
 
 
 def test_linear_backward_refuses_operands_that_do_not_match(gen):

@@ -11,82 +11,136 @@
 
 constexpr int64_t kAmxK = 32;  // elements of k per tdpbf16ps (16 pairs: a 64-byte tile row)
 
-// A's rows 0 .. m (zero rows up to a multiple of 32) and columns k0 .. k0 + kc (zeros up to kcp,
-// a multiple of 32), row-major bf16 lda elements apart: ap[r * lda + kk].
-static void amx_pack_a(const tonp::GemmOperand& a, int64_t m, int64_t k0, int64_t kc, int64_t kcp, uint16_t* ap, int64_t lda) {
-  const int64_t mp = (m + 31) / 32 * 32;
-  const uint16_t* s = static_cast<const uint16_t*>(a.p);
-  for (int64_t r = 0; r < mp; ++r) {
-    uint16_t* d = ap + r * lda;
-    if (r >= m) {
-      std::fill_n(d, kcp, uint16_t(0));
-      continue;
-    }
-    if (a.cs == 1) {
-      std::memcpy(d, s + r * a.rs + k0, size_t(kc) * 2);
-    } else {
-      for (int64_t kk = 0; kk < kc; ++kk) d[kk] = s[r * a.rs + (k0 + kk) * a.cs];
-    }
-    std::fill(d + kc, d + kcp, uint16_t(0));
-  }
-}
+// The packed operands (tonp::amx_packed_elems): blocks of 32 lines (A's rows, B's columns), each
+// all of k in steps of 32 elements, a step 2 KB = two tiles of 1 KB read with a 64-byte stride.
+// A block's step: rows 0-15 then rows 16-31, a tile row = 32 elements of k. B block's step:
+// columns 0-15 then 16-31, a tile row = pair p (elements 2p, 2p + 1 of the step) of 16 columns.
+// Lines beyond `lines` and k beyond k are zeros, which meet no other output.
 
-// The same from a column-major A (rs == 1: a weight gradient's A is the output gradient
-// transposed), 16 rows by 32 k at a time: each k pair's sixteen row values interleaved into
-// 32-bit pairs, then a 16 x 16 transpose of the pairs (hw_transpose16) puts a row's 16 pairs,
-// one tile row, in one vector. A copy: the same values as amx_pack_a's element loop.
-static void amx_pack_a_cols(const tonp::GemmOperand& a, int64_t m, int64_t k0, int64_t kc, int64_t kcp, uint16_t* ap,
-                            int64_t lda) {
-  const int64_t mp = (m + 31) / 32 * 32;
+// A's rows 0 .. lines (row-major, column-major or any strides), steps [s0, s1) of k -> dst (the
+// pack's start).
+static void amx_pack_a(const tonp::GemmOperand& a, int64_t lines, int64_t k, int64_t s0, int64_t s1, uint16_t* dst) {
+  const int64_t kp = (k + kAmxK - 1) / kAmxK * kAmxK;
   const uint16_t* s = static_cast<const uint16_t*>(a.p);
-  __m512i idx;
+  __m512i idx;  // the sixteen rows of k pair p interleaved into 32-bit pairs
   {
     alignas(64) uint16_t v[32];
     for (int i = 0; i < 16; ++i) v[2 * i] = uint16_t(i), v[2 * i + 1] = uint16_t(32 + i);
     idx = _mm512_load_si512(v);
   }
-  for (int64_t r0 = 0; r0 < mp; r0 += 16) {
-    const __mmask16 rows = r0 + 16 <= m ? __mmask16(0xffff) : r0 < m ? __mmask16((1u << (m - r0)) - 1) : __mmask16(0);
-    for (int64_t kb = 0; kb < kcp; kb += kAmxK) {
-      __m512i v[16];
-      for (int p = 0; p < 16; ++p) {
-        const int64_t kk = kb + 2 * p;
-        const __m256i lo = kk < kc ? _mm256_maskz_loadu_epi16(rows, s + r0 + (k0 + kk) * a.cs) : _mm256_setzero_si256();
-        const __m256i hi = kk + 1 < kc ? _mm256_maskz_loadu_epi16(rows, s + r0 + (k0 + kk + 1) * a.cs) : _mm256_setzero_si256();
-        v[p] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+  for (int64_t b0 = 0; b0 < lines; b0 += 32) {
+    uint16_t* db = dst + b0 * kp;
+    for (int64_t kb = s0 * kAmxK; kb < s1 * kAmxK; kb += kAmxK) {
+      uint16_t* d = db + kb * 32;
+      const int64_t valid = k - kb;
+      const __mmask32 km = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
+      if (a.cs == 1) {  // rows contiguous in k: one masked load a tile row
+        for (int r = 0; r < 32; ++r)
+          _mm512_storeu_si512(d + r * 32, b0 + r < lines ? _mm512_maskz_loadu_epi16(km, s + (b0 + r) * a.rs + kb)
+                                                          : _mm512_setzero_si512());
+      } else if (a.rs == 1) {  // columns contiguous (a weight gradient's A, the output gradient
+        // transposed): each k pair's sixteen rows interleaved into pairs, then a 16 x 16
+        // transpose of the pairs puts a row's 16 pairs, one tile row, in one vector
+        for (int h = 0; h < 32; h += 16) {
+          const int64_t r0 = b0 + h;
+          const __mmask16 rows = r0 + 16 <= lines ? __mmask16(0xffff)
+                                 : r0 < lines     ? __mmask16((1u << (lines - r0)) - 1)
+                                                  : __mmask16(0);
+          __m512i v[16];
+          for (int p = 0; p < 16; ++p) {
+            const int64_t kk = kb + 2 * p;
+            const __m256i lo = kk < k ? _mm256_maskz_loadu_epi16(rows, s + r0 + kk * a.cs) : _mm256_setzero_si256();
+            const __m256i hi = kk + 1 < k ? _mm256_maskz_loadu_epi16(rows, s + r0 + (kk + 1) * a.cs) : _mm256_setzero_si256();
+            v[p] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+          }
+          hw_transpose16(v);
+          for (int r = 0; r < 16; ++r) _mm512_storeu_si512(d + (h + r) * 32, v[r]);
+        }
+      } else {
+        for (int r = 0; r < 32; ++r)
+          for (int kk = 0; kk < 32; ++kk)
+            d[r * 32 + kk] = b0 + r < lines && kb + kk < k ? s[(b0 + r) * a.rs + (kb + kk) * a.cs] : uint16_t(0);
       }
-      hw_transpose16(v);
-      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(ap + (r0 + r) * lda + kb, v[r]);
     }
   }
 }
 
-// One 32 x 32 block of C over a k block, in four tile registers: loaded from c (ldc floats a
-// row; `load`: the sums so far) or zero, one tdpbf16ps per 32 elements of k in sequence (rows
-// of ap, lda elements apart; the pairs of a 64-column B strip from column q * 16 on, pair p's
-// 64 columns at bs + p * 64), stored back to c.
-TONP_AMX_FN static void amx_block(const uint16_t* ap, int64_t lda, const uint32_t* bs, int q, int64_t nsteps, float* c,
-                                  int64_t ldc, bool load) {
-  const int64_t lb = ldc * 4;
-  if (load) {
-    _tile_loadd(0, c, lb);
-    _tile_loadd(1, c + 16, lb);
-    _tile_loadd(2, c + 16 * ldc, lb);
-    _tile_loadd(3, c + 16 * ldc + 16, lb);
+// B's columns 0 .. lines, steps [s0, s1) of k -> dst (pairs of k, 16 columns a tile row).
+static void amx_pack_b(const tonp::GemmOperand& b, int64_t lines, int64_t k, int64_t s0, int64_t s1, uint16_t* dst) {
+  const int64_t kp = (k + kAmxK - 1) / kAmxK * kAmxK;
+  const uint16_t* s = static_cast<const uint16_t*>(b.p);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                                      35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t b0 = 0; b0 < lines; b0 += 32) {
+    uint16_t* db = dst + b0 * kp;
+    const int64_t nc = std::min<int64_t>(32, lines - b0);
+    const __mmask32 cm = nc >= 32 ? ~__mmask32(0) : __mmask32((1ull << nc) - 1u);
+    for (int64_t kb = s0 * kAmxK; kb < s1 * kAmxK; kb += kAmxK) {
+      uint16_t* d = db + kb * 32;
+      if (b.cs == 1) {  // rows of B (one k each) contiguous in n: two rows interleaved into pairs
+        for (int p = 0; p < 16; ++p) {
+          const int64_t kk = kb + 2 * p;
+          const __m512i r0 = kk < k ? _mm512_maskz_loadu_epi16(cm, s + kk * b.rs + b0) : _mm512_setzero_si512();
+          const __m512i r1 = kk + 1 < k ? _mm512_maskz_loadu_epi16(cm, s + (kk + 1) * b.rs + b0) : _mm512_setzero_si512();
+          _mm512_storeu_si512(d + p * 32, _mm512_permutex2var_epi16(r0, lo, r1));
+          _mm512_storeu_si512(d + 512 + p * 32, _mm512_permutex2var_epi16(r0, hi, r1));
+        }
+      } else if (b.rs == 1) {  // columns contiguous in k: a column's 16 pairs, transposed
+        const int64_t valid = k - kb;
+        const __mmask32 km = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
+        for (int q = 0; q < 2; ++q) {
+          __m512i v[16];
+          for (int c = 0; c < 16; ++c) {
+            const int64_t col = b0 + q * 16 + c;
+            v[c] = col < lines ? _mm512_maskz_loadu_epi16(km, s + col * b.cs + kb) : _mm512_setzero_si512();
+          }
+          hw_transpose16(v);
+          for (int p = 0; p < 16; ++p) _mm512_storeu_si512(d + q * 512 + p * 32, v[p]);
+        }
+      } else {
+        for (int q = 0; q < 2; ++q)
+          for (int p = 0; p < 16; ++p)
+            for (int c = 0; c < 16; ++c)
+              for (int e = 0; e < 2; ++e) {
+                const int64_t col = b0 + q * 16 + c, kk = kb + 2 * p + e;
+                d[q * 512 + p * 32 + 2 * c + e] = col < lines && kk < k ? s[kk * b.rs + col * b.cs] : uint16_t(0);
+              }
+      }
+    }
+  }
+}
+
+// One 32 x 32 block of C over `steps` steps of k, in four tile registers: loaded from cin (ldin
+// floats a row: the sums so far) or, null, zero; one tdpbf16ps a tile pair a step in sequence;
+// stored to c (ldc floats a row). ap, bp: the blocks' first step. Spread over its steps, the
+// block prefetches na lines (64 bytes) from pa and nb from pb into L2: its share of the next k
+// block.
+TONP_AMX_FN static void amx_block(const uint16_t* ap, const uint16_t* bp, int64_t steps, const float* cin, int64_t ldin,
+                                  float* c, int64_t ldc, const char* pa, int64_t na, const char* pb, int64_t nb) {
+  const int64_t lb = ldc * 4, li = ldin * 4;
+  if (cin) {
+    _tile_loadd(0, cin, li);
+    _tile_loadd(1, cin + 16, li);
+    _tile_loadd(2, cin + 16 * ldin, li);
+    _tile_loadd(3, cin + 16 * ldin + 16, li);
   } else {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t j = 0; j < nsteps; ++j) {
-    _tile_loadd(4, ap + j * kAmxK, lda * 2);
-    _tile_loadd(6, bs + j * 16 * 64 + q * 16, 256);
+  for (int64_t j = 0; j < steps; ++j) {
+    for (int64_t l = j * na / steps; l < (j + 1) * na / steps; ++l) _mm_prefetch(pa + l * 64, _MM_HINT_T1);
+    for (int64_t l = j * nb / steps; l < (j + 1) * nb / steps; ++l) _mm_prefetch(pb + l * 64, _MM_HINT_T1);
+    const uint16_t *a = ap + j * 1024, *b = bp + j * 1024;
+    _tile_loadd(4, a, 64);
+    _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, bs + j * 16 * 64 + (q + 1) * 16, 256);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, ap + 16 * lda + j * kAmxK, lda * 2);
+    _tile_loadd(5, a + 512, 64);
     _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, c, lb);
@@ -105,77 +159,107 @@ TONP_AMX_FN static void amx_config() {  // all eight tiles 16 rows by 64 bytes
 }
 TONP_AMX_FN static void amx_release() { _tile_release(); }
 
-// C (fp32 row stride ldc, or bf16 rounded once) += A B over every k block in sequence, each a
-// chain of tdpbf16ps in the tiles. A is packed once for all of k; then a group of columns at a
-// time (its fp32 C, at most 768 rows x 512 columns, stays in L2 while every k block passes),
-// each k block's B strips packed and every 32 x 32 block run. A whole block of fp32 C is read
-// and written by the tiles in place; an edge block, or bf16 C, through t (its nr x nj values,
-// zeros around them): each output's arithmetic is the same on either path, its C then its steps.
-// (Against k blocks outermost, C streamed from L3 in every block: 2048^3 1.14x.)
-template <bool BF16OUT>
-static void gemm_amx_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
-                          void* cv, int64_t ldc, bool accumulate, float* scratch) {
+// The block's nr x nc final sums (t, 32 floats a row) to C at row i0, column j0: fp32, or bf16
+// rounded once (the one rounding of a gradient).
+static inline void amx_write_block(const float* t, int64_t nr, int64_t nc, void* cv, Elem ce, int64_t ldc, int64_t i0,
+                                   int64_t j0) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t j = 0; j < nc; j += 16) {
+      const __mmask16 mk = nc - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nc - j)) - 1);
+      const __m512 v = _mm512_load_ps(t + r * 32 + j);
+      if (ce == Elem::BF16) {
+        const __m256bh h = _mm512_cvtneps_pbh(v);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(cv) + (i0 + r) * ldc + j0 + j, mk, reinterpret_cast<const __m256i&>(h));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(cv) + (i0 + r) * ldc + j0 + j, mk, v);
+      }
+    }
+}
+
+// C[m, n] (fp32 row stride ldc, += when accumulating; or bf16, rounded once) from packed A
+// blocks (amx_pack_a of k) and B: packed blocks bp (amx_pack_b of k), or, where bsrc is given,
+// B's columns 0 .. n packed here a k block at a time. k in blocks of kAmxSteps steps; within
+// one, each row block of A (its 16 KB kept in L1) meets every column block of B in turn (B's k
+// block, n / 32 x 16 KB, from L2), and every block prefetches its share of the next k block's A
+// and packed B into L2 (2048^3: 1.10x without it, in one process). C, loaded and stored by the
+// tiles, stays in L2 between k blocks (tiles of kAmxTileRows x kAmxTileCols: 256 KB). fp32 C
+// whose blocks are all whole is summed in place; otherwise in scratch until a block's last k
+// block, whose sums go through a 4 KB buffer to C (copied, or rounded to bf16) while in L1.
+// scratch: mp * np floats (m, n rounded up to 32), then with bsrc a k block of B (np * 128).
+static void amx_tile_impl(const uint16_t* ap, const uint16_t* bp, const tonp::GemmOperand* bsrc, int64_t m, int64_t n,
+                          int64_t k, void* cv, Elem ce, int64_t ldc, bool accumulate, float* scratch) {
   // No MXCSR scope: tdpbf16ps does not read MXCSR (its rounding and flushing are its own:
   // CONTRACT.md, "What AMX computes"), nor does the one other operation, a bf16 C's rounding by
   // vcvtneps2bf16.
-  constexpr int64_t KC = tonp::kGemmKc;
-  const int64_t kcmax = (std::min(KC, k) + kAmxK - 1) / kAmxK * kAmxK;
-  const int64_t sstride = kcmax / 2 * 64;  // uint32 per packed B strip: kcmax / 2 pairs of 64 columns
-  const int64_t group = tonp::kGemmStrips * 64;  // columns packed at once (kGemmStrips strips)
-  uint32_t* bp = reinterpret_cast<uint32_t*>(scratch);
-  const int64_t mp = (m + 31) / 32 * 32;
-  static thread_local std::vector<uint16_t> abuf;
-  abuf.resize(size_t(mp * kcmax));
-  uint16_t* ap = abuf.data();
-  alignas(64) float t[32 * 32];
+  if (m <= 0 || n <= 0) return;
+  const int64_t kp = (k + kAmxK - 1) / kAmxK * kAmxK, steps = kp / kAmxK;
+  const int64_t mp = (m + 31) / 32 * 32, np = (n + 31) / 32 * 32;
+  const bool direct = ce == Elem::F32 && mp == m && np == n;
+  float* c = direct ? static_cast<float*>(cv) : scratch;
+  const int64_t ld = direct ? ldc : np;
+  uint16_t* bk = reinterpret_cast<uint16_t*>(scratch + mp * np);  // with bsrc: this k block of B
+  if (!direct && accumulate)
+    for (int64_t i = 0; i < mp; ++i)
+      for (int64_t j = 0; j < np; ++j) c[i * ld + j] = i < m && j < n ? static_cast<const float*>(cv)[i * ldc + j] : 0.f;
+  const int64_t ni = mp / 32, nj = np / 32;
+  alignas(64) float t[32 * 32];  // a block's sums after its last k block, where C is not summed in place
   amx_config();
-  for (int64_t k0 = 0; k0 < k; k0 += KC) {
-    const int64_t kc = std::min<int64_t>(KC, k - k0), kcp = (kc + kAmxK - 1) / kAmxK * kAmxK;
-    const bool load = accumulate || k0 > 0;
-    if (a.rs == 1 && a.cs != 1)
-      amx_pack_a_cols(a, m, k0, kc, kcp, ap, kcmax);
-    else
-      amx_pack_a(a, m, k0, kc, kcp, ap, kcmax);
-    for (int64_t g0 = 0; g0 < n; g0 += group) {
-      const int64_t gn = std::min(group, n - g0);
-      for (int64_t s = 0; s * 64 < gn; ++s) {  // each strip's pairs, zero from (kc + 1) / 2 to kcp / 2
-        uint32_t* d = bp + s * sstride;
-        gh_pack_b(b, k0, kc, g0 + 64 * s, std::min<int64_t>(64, gn - 64 * s), d, true);
-        std::fill(d + (kc + 1) / 2 * 64, d + kcp / 2 * 64, 0u);
-      }
-      for (int64_t j0 = g0; j0 < g0 + gn; j0 += 32) {
-        const int nj = int(std::min<int64_t>(32, n - j0));
-        const uint32_t* bs = bp + (j0 - g0) / 64 * sstride;
-        const int q = int((j0 - g0) % 64 / 16);
-        for (int64_t i0 = 0; i0 < m; i0 += 32) {
-          const int nr = int(std::min<int64_t>(32, m - i0));
-          const uint16_t* ai = ap + i0 * kcmax;
-          if (!BF16OUT && nr == 32 && nj == 32) {
-            amx_block(ai, kcmax, bs, q, kcp / kAmxK, static_cast<float*>(cv) + i0 * ldc + j0, ldc, load);
-            continue;
-          }
-          float* cb = BF16OUT ? nullptr : static_cast<float*>(cv) + i0 * ldc + j0;
-          if (load)
-            for (int r = 0; r < 32; ++r)
-              for (int j = 0; j < 32; ++j) t[r * 32 + j] = r < nr && j < nj ? cb[r * ldc + j] : 0.f;
-          amx_block(ai, kcmax, bs, q, kcp / kAmxK, t, 32, load);
-          for (int r = 0; r < nr; ++r)
-            for (int qq = 0; qq < 2 && qq * 16 < nj; ++qq) {
-              const __mmask16 mk = nj - qq * 16 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nj - qq * 16)) - 1);
-              const __m512 v = _mm512_loadu_ps(t + r * 32 + qq * 16);
-              if (BF16OUT) {  // the one rounding of a gradient (k within one block)
-                const __m256bh h = _mm512_cvtneps_pbh(v);
-                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(cv) + (i0 + r) * ldc + j0 + qq * 16, mk,
-                                         reinterpret_cast<const __m256i&>(h));
-              } else {
-                _mm512_mask_storeu_ps(cb + r * ldc + qq * 16, mk, v);
-              }
-            }
-        }
-      }
+  for (int64_t s0 = 0; s0 < steps; s0 += tonp::kAmxSteps) {
+    const int64_t ns = std::min<int64_t>(tonp::kAmxSteps, steps - s0), s1 = s0 + ns;
+    const bool load = accumulate || s0 > 0, last = s1 == steps;
+    // B's k block: block j's steps from bj + j * bstride (packed here from bsrc: ns steps a block).
+    const uint16_t* bj = bp + s0 * 1024;
+    int64_t bstride = 32 * kp;
+    if (bsrc) {
+      const tonp::GemmOperand rows{static_cast<const uint16_t*>(bsrc->p) + s0 * kAmxK * bsrc->rs, bsrc->rs, bsrc->cs,
+                                   bsrc->e};
+      amx_pack_b(rows, n, std::min(k - s0 * kAmxK, ns * kAmxK), 0, ns, bk);
+      bj = bk, bstride = 32 * ns * kAmxK;
     }
+    // The next k block: 32 lines a step in each row block of A and column block of packed B.
+    // Block (i, j) fetches the j-th share of A's row block i and the i-th of B's column block j.
+    const int64_t lines = std::min<int64_t>(tonp::kAmxSteps, steps - s1) * 32;
+    const int64_t la = (lines + nj - 1) / nj, lbb = bsrc ? 0 : (lines + ni - 1) / ni;
+    for (int64_t i = 0; i < ni; ++i)
+      for (int64_t j = 0; j < nj; ++j) {
+        const uint16_t* a = ap + i * 32 * kp;
+        const int64_t fa = std::max<int64_t>(0, std::min(la, lines - j * la));
+        const int64_t fb = std::max<int64_t>(0, std::min(lbb, lines - i * lbb));
+        float* cb = c + i * 32 * ld + j * 32;
+        const bool out = last && !direct;  // the block's final sums: to t, then to C while in L1
+        amx_block(a + s0 * 1024, bj + j * bstride, ns, load ? cb : nullptr, ld, out ? t : cb, out ? 32 : ld,
+                  reinterpret_cast<const char*>(a + s1 * 1024) + j * la * 64, fa,
+                  bsrc ? nullptr : reinterpret_cast<const char*>(bp + j * 32 * kp + s1 * 1024) + i * lbb * 64, fb);
+        if (out) amx_write_block(t, std::min<int64_t>(32, m - i * 32), std::min<int64_t>(32, n - j * 32), cv, ce, ldc, i * 32, j * 32);
+      }
   }
   amx_release();
+}
+
+// The table's amx_tile (Kernels::amx_tile): both operands packed.
+static void amx_tile(const uint16_t* ap, const uint16_t* bp, int64_t m, int64_t n, int64_t k, void* cv, Elem ce,
+                     int64_t ldc, bool accumulate, float* scratch) {
+  amx_tile_impl(ap, bp, nullptr, m, n, k, cv, ce, ldc, accumulate, scratch);
+}
+
+// One call's GEMM on AMX (gemm and gemm_bf16out of the table; m <= kGemmMaxM): A packed once
+// for the call in this thread's buffer; then column tiles of kAmxTileCols, all m rows each, B
+// packed a k block at a time into the scratch (a call's B can be megabytes of expert weight
+// read by a few rows: packed whole first, it went to L3 and back; the training step at 30B-A3B
+// shapes took 1.07x the old per-k-block code's time).
+template <bool BF16OUT>
+static void gemm_amx_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
+                          void* cv, int64_t ldc, bool accumulate, float* scratch) {
+  static thread_local std::vector<uint16_t> pack;
+  const int64_t na = tonp::amx_packed_elems(m, k);
+  if (int64_t(pack.size()) < na) pack.resize(size_t(na));
+  const int64_t kp = (k + kAmxK - 1) / kAmxK * kAmxK, eb = BF16OUT ? 2 : 4;
+  amx_pack_a(a, m, k, 0, kp / kAmxK, pack.data());
+  for (int64_t j0 = 0; j0 < n; j0 += tonp::kAmxTileCols) {
+    const tonp::GemmOperand bj{static_cast<const uint16_t*>(b.p) + j0 * b.cs, b.rs, b.cs, b.e};
+    amx_tile_impl(pack.data(), nullptr, &bj, m, std::min(tonp::kAmxTileCols, n - j0), k,
+                  static_cast<char*>(cv) + j0 * eb, BF16OUT ? Elem::BF16 : Elem::F32, ldc, accumulate, scratch);
+  }
 }
 
 // Whether this process runs bf16 x bf16 backward GEMMs on AMX now (Kernels::gemm_on_amx).

@@ -41,14 +41,63 @@ inline int64_t grad_cols(int64_t m, int64_t n) {
   return std::max<int64_t>(64, ((n + tn - 1) / tn + 63) / 64 * 64);
 }
 
+// gemm_parallel on AMX (bf16 x bf16 where Kernels::gemm_on_amx): A and B packed once, in
+// parallel, into buffers every tile reads (tiles that each packed their own operands, as the
+// per-call gemm does, packed B once per row tile: 2048^3 spent a third of its time packing),
+// then tiles of C of kAmxTileRows x kAmxTileCols over threads.
+inline void gemm_parallel_amx(const Kernels* kern, const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n,
+                              int64_t k, void* c, Elem ce, int64_t ldc, bool accumulate) {
+  const int64_t na = amx_packed_elems(m, k), kp = (k + 31) / 32 * 32;  // kp: a line's packed elements
+  at::Tensor packs = empty_big({na + amx_packed_elems(n, k)}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* ap = static_cast<uint16_t*>(packs.data_ptr());
+  uint16_t* bp = ap + na;
+  // Tasks over 32-line blocks (all of k each) where an operand's lines run along its rows (A
+  // row-major, B column-major); otherwise over steps of k (all lines each), so that every read
+  // is a run along the operand's contiguous dimension.
+  const int64_t steps = kp / 32;
+  const bool a_steps = a.cs != 1, b_steps = b.rs != 1;
+  const int64_t ta = a_steps ? steps : (m + 31) / 32, tb = b_steps ? steps : (n + 31) / 32;
+  at::parallel_for(0, ta + tb, 1, [&](int64_t b0, int64_t e0) {
+    for (int64_t t = b0; t < e0; ++t) {
+      const bool is_a = t < ta;
+      const int64_t u = is_a ? t : t - ta;
+      const GemmOperand& o = is_a ? a : b;
+      const int64_t lines = is_a ? m : n;
+      auto pack = is_a ? kern->amx_pack_a : kern->amx_pack_b;
+      uint16_t* dst = is_a ? ap : bp;
+      if (is_a ? a_steps : b_steps) {
+        pack(o, lines, k, u, u + 1, dst);
+      } else {
+        const int64_t l0 = u * 32, off = is_a ? l0 * o.rs : l0 * o.cs;
+        pack({static_cast<const uint16_t*>(o.p) + off, o.rs, o.cs, o.e}, std::min<int64_t>(32, lines - l0), k, 0, steps,
+             dst + l0 * kp);
+      }
+    }
+  });
+  const int64_t tm = (m + kAmxTileRows - 1) / kAmxTileRows, tn = (n + kAmxTileCols - 1) / kAmxTileCols;
+  const int64_t eb = ce == Elem::F32 ? 4 : 2;
+  at::parallel_for(0, tm * tn, 1, [&](int64_t b0, int64_t e0) {
+    const auto scratch = scratch_floats(kAmxTileRows * kAmxTileCols);
+    for (int64_t t = b0; t < e0; ++t) {
+      const int64_t i0 = t / tn * kAmxTileRows, j0 = t % tn * kAmxTileCols;
+      kern->amx_tile(ap + i0 * kp, bp + j0 * kp, std::min(kAmxTileRows, m - i0), std::min(kAmxTileCols, n - j0), k,
+                     static_cast<char*>(c) + (i0 * ldc + j0) * eb, ce, ldc, accumulate, scratch.get());
+    }
+  });
+}
+
 // C[m, n] (fp32, or bf16 rounded once; row stride ldc) = (C if accumulate, fp32 only) + A[m, k]
 // B[k, n], in tiles over threads.
 inline void gemm_parallel(const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n, int64_t k, void* c, Elem ce,
                           int64_t ldc, bool accumulate) {
   if (m == 0 || n == 0) return;
+  const Kernels* kern = K();
+  if (k > 0 && a.e == Elem::BF16 && b.e == Elem::BF16 && kern->amx_tile && kern->gemm_on_amx()) {
+    gemm_parallel_amx(kern, a, b, m, n, k, c, ce, ldc, accumulate);
+    return;
+  }
   const int64_t cols = grad_cols(m, n);
   const int64_t tm = (m + kGradRows - 1) / kGradRows, tn = (n + cols - 1) / cols;
-  const Kernels* kern = K();
   at::parallel_for(0, tm * tn, 1, [&](int64_t b0, int64_t e0) {
     const auto scratch = scratch_floats(gemm_scratch() + (ce == Elem::BF16 ? kGradRows * cols : 0));
     float* buf = scratch.get() + gemm_scratch();

@@ -126,6 +126,9 @@ const Kernels* kernels_avx512bf16() {
     t.gemm = tonp_avx512bf16::gemm_amx_hw;  // bf16 x bf16 on AMX where it runs (gemm_amx.h)
     t.gemm_bf16out = tonp_avx512bf16::gemm_bf16out_amx_hw;
     t.gemm_on_amx = tonp_avx512bf16::gemm_on_amx;
+    t.amx_pack_a = tonp_avx512bf16::amx_pack_a;
+    t.amx_pack_b = tonp_avx512bf16::amx_pack_b;
+    t.amx_tile = tonp_avx512bf16::amx_tile;
     t.grad_to_bf16 = tonp_avx512bf16::grad_to_bf16_hw;
     return &t;
 #else

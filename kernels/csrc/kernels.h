@@ -236,8 +236,18 @@ struct GemmOperand {
 constexpr int64_t kGemmKc = 256;  // the backward GEMM's k block (gemm.h)
 constexpr int64_t kGemmMaxM = 768;  // rows of C per gemm call at most (the caller splits)
 constexpr int64_t kGemmStrips = 8;  // 64-column B strips the AVX-512 build packs at once (bf16 pairs; fp32: half)
+// The backward GEMM on AMX (gemm_amx.h): lines (A's rows, B's columns) in blocks of 32, k in
+// steps of 32; a tile of C at most kAmxTileRows x kAmxTileCols (its fp32 sums, 256 KB, stay in L2
+// while k passes in blocks of kAmxSteps steps). Which tile holds an output never changes a bit.
+// (2048^3 in one process: k blocks of 16 steps 0.88x, tiles of 512 x 256 or 256 x 512 level.)
+constexpr int64_t kAmxSteps = 8;
+constexpr int64_t kAmxTileRows = 256;
+constexpr int64_t kAmxTileCols = 256;
+inline int64_t amx_packed_elems(int64_t lines, int64_t k) { return (lines + 31) / 32 * 32 * ((k + 31) / 32 * 32); }
 // Scratch floats of a gemm call of at most kGemmMaxM rows (packed A and B blocks, any build).
 inline int64_t gemm_scratch() { return kGemmKc * 64 * kGemmStrips / 2 + (kGemmMaxM + 6) * kGemmKc; }
+static_assert(kGemmMaxM * kAmxTileCols + kAmxTileCols * kAmxSteps * 16 <= kGemmKc * 64 * kGemmStrips / 2 + (kGemmMaxM + 6) * kGemmKc,
+              "a gemm call's scratch holds an AMX column tile's fp32 C and a k block of its B");
 
 struct Kernels {
   const char* name;
@@ -375,6 +385,17 @@ struct Kernels {
   // Whether gemm and gemm_bf16out run bf16 x bf16 operands on AMX now (the AVX512-BF16 table on
   // a CPU whose AMX this process may use, unless TONP_BACKWARD_AMX=0); null: never.
   bool (*gemm_on_amx)() = nullptr;
+  // Where gemm_on_amx, its parts (gemm_amx.h), which gemm_parallel runs so that its tiles share
+  // one packing of the operands: amx_pack_a packs A's rows [0, lines), amx_pack_b B's columns
+  // [0, lines), all of k, into tile order (amx_packed_elems(lines, k) bf16 at dst); amx_tile
+  // computes C[m, n] (m <= kAmxTileRows, n <= kAmxTileCols; fp32 row stride ldc, += when
+  // accumulating, or bf16 rounded once) from the packs' blocks of its first row and column
+  // (pack + amx_packed_elems(i0, k) for row i0, a multiple of 32). scratch: kAmxTileRows *
+  // kAmxTileCols floats. The same bits as gemm and gemm_bf16out on AMX, whatever the tiles.
+  void (*amx_pack_a)(const GemmOperand& a, int64_t lines, int64_t k, int64_t s0, int64_t s1, uint16_t* dst) = nullptr;
+  void (*amx_pack_b)(const GemmOperand& b, int64_t lines, int64_t k, int64_t s0, int64_t s1, uint16_t* dst) = nullptr;
+  void (*amx_tile)(const uint16_t* ap, const uint16_t* bp, int64_t m, int64_t n, int64_t k, void* c, Elem ce,
+                   int64_t ldc, bool accumulate, float* scratch) = nullptr;
 };
 
 // The row-block cap of a tk.linear call of `rows` rows and reduction length K
