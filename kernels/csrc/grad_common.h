@@ -53,27 +53,24 @@ inline void gemm_parallel_amx(const Kernels* kern, const GemmOperand& a, const G
   uint16_t* bp = ap + na;
   // Tasks over 32-line blocks (all of k each) where an operand's lines run along its rows (A
   // row-major, B column-major); otherwise over steps of k (all lines each), so that every read
-  // is a run along the operand's contiguous dimension.
+  // is a run along the operand's contiguous dimension. A's tasks, then B's, each over all
+  // threads (in one loop, a thread could get all of the smaller operand's).
   const int64_t steps = kp / 32;
-  const bool a_steps = a.cs != 1, b_steps = b.rs != 1;
-  const int64_t ta = a_steps ? steps : (m + 31) / 32, tb = b_steps ? steps : (n + 31) / 32;
-  at::parallel_for(0, ta + tb, 1, [&](int64_t b0, int64_t e0) {
-    for (int64_t t = b0; t < e0; ++t) {
-      const bool is_a = t < ta;
-      const int64_t u = is_a ? t : t - ta;
-      const GemmOperand& o = is_a ? a : b;
-      const int64_t lines = is_a ? m : n;
-      auto pack = is_a ? kern->amx_pack_a : kern->amx_pack_b;
-      uint16_t* dst = is_a ? ap : bp;
-      if (is_a ? a_steps : b_steps) {
-        pack(o, lines, k, u, u + 1, dst);
-      } else {
-        const int64_t l0 = u * 32, off = is_a ? l0 * o.rs : l0 * o.cs;
-        pack({static_cast<const uint16_t*>(o.p) + off, o.rs, o.cs, o.e}, std::min<int64_t>(32, lines - l0), k, 0, steps,
-             dst + l0 * kp);
+  auto pack = [&](const GemmOperand& o, int64_t lines, bool lines_along_rows, uint16_t* dst,
+                  void (*fn)(const GemmOperand&, int64_t, int64_t, int64_t, int64_t, uint16_t*)) {
+    const bool by_steps = (lines_along_rows ? o.cs : o.rs) != 1;
+    at::parallel_for(0, by_steps ? steps : (lines + 31) / 32, 1, [&](int64_t b0, int64_t e0) {
+      if (by_steps) {  // a step at a time: the 32 rows of storage it spans, each read whole
+        for (int64_t u = b0; u < e0; ++u) fn(o, lines, k, u, u + 1, dst);
+        return;
       }
-    }
-  });
+      for (int64_t l0 = b0 * 32; l0 < std::min(lines, e0 * 32); l0 += 32)
+        fn({static_cast<const uint16_t*>(o.p) + l0 * (lines_along_rows ? o.rs : o.cs), o.rs, o.cs, o.e},
+           std::min<int64_t>(32, lines - l0), k, 0, steps, dst + l0 * kp);
+    });
+  };
+  pack(a, m, true, ap, kern->amx_pack_a);
+  pack(b, n, false, bp, kern->amx_pack_b);
   const int64_t tm = (m + kAmxTileRows - 1) / kAmxTileRows, tn = (n + kAmxTileCols - 1) / kAmxTileCols;
   const int64_t eb = ce == Elem::F32 ? 4 : 2;
   at::parallel_for(0, tm * tn, 1, [&](int64_t b0, int64_t e0) {
