@@ -181,7 +181,7 @@ static inline void amx_write_block(const float* t, int64_t nr, int64_t nc, void*
 // B's columns 0 .. n packed here a k block at a time. k in blocks of kAmxSteps steps; within
 // one, each row block of A (its 16 KB kept in L1) meets every column block of B in turn (B's k
 // block, n / 32 x 16 KB, from L2), and every block prefetches its share of the next k block's A
-// and packed B into L2 (2048^3: 1.10x without it, in one process). C, loaded and stored by the
+// and packed B into L2 (2048^3 ran 0.91x without it, in one process). C, loaded and stored by the
 // tiles, stays in L2 between k blocks (tiles of kAmxTileRows x kAmxTileCols: 256 KB). fp32 C
 // whose blocks are all whole is summed in place; otherwise in scratch until a block's last k
 // block, whose sums go through a 4 KB buffer to C (copied, or rounded to bf16) while in L1.
