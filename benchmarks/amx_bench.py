@@ -175,8 +175,9 @@ def main(argv=None):
         "Contenders in turn within each repeat, median of the repeats; ratios to stock torch's bf16 "
         "matmul and to MKL's fp32 GEMM in the same run. 'AMX block chains' packs the weights into B tiles in the call; "
         "'pre-packed' is the kernel alone, as a model that packs its weights once at load would run it. "
-        "The prototypes are plain tile loops (AMX: 2 x 2 tiles; FMA: 4 rows x 32 columns) with no "
-        "prefetching and a scalar chunk tree; both give the reference's bits (tests/test_amx.py).",
+        "The prototypes, with no prefetching: AMX 2 x 2 tiles in tiles of 64 rows x 128 columns, the "
+        "chunks outermost (x packed into tile order in the call); FMA 4 rows x 32 columns; both close "
+        "the chunk tree in AVX-512 adds and give the reference's bits (tests/test_amx.py).",
     ) if x)
     paths = write_record(a.out, "amx_quick" if a.quick else "amx", md + "\n",
                          {"meta": meta, "numerics": num, "throughput": thr})
