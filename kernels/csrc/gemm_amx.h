@@ -242,23 +242,32 @@ static void amx_tile(const uint16_t* ap, const uint16_t* bp, int64_t m, int64_t 
   amx_tile_impl(ap, bp, nullptr, m, n, k, cv, ce, ldc, accumulate, scratch);
 }
 
-// One call's GEMM on AMX (gemm and gemm_bf16out of the table; m <= kGemmMaxM): A packed once
-// for the call in this thread's buffer; then column tiles of kAmxTileCols, all m rows each, B
-// packed a k block at a time into the scratch (a call's B can be megabytes of expert weight
-// read by a few rows: packed whole first, it went to L3 and back; the training step at 30B-A3B
-// shapes took 1.07x the old per-k-block code's time).
+// One call's GEMM on AMX (gemm and gemm_bf16out of the table; m <= kGemmMaxM): k in spans of
+// kAmxCallK elements (an output's steps run in order across them, its fp32 sum carried in C);
+// in each, A packed once into this thread's buffer (at most kGemmMaxM x kAmxCallK: bounded
+// whatever k a call brings, an expert's rows or a sequence), then column tiles of
+// kAmxTileCols, all m rows each, B packed a k block at a time into the scratch (a call's B can
+// be megabytes of expert weight read by a few rows: packed whole first, it went to L3 and back,
+// and the bf16 training step at 30B-A3B shapes took 1.07x the time of packing it by k block;
+// spans of 1024 against one span for all of k: level there).
 template <bool BF16OUT>
 static void gemm_amx_impl(const tonp::GemmOperand& a, const tonp::GemmOperand& b, int64_t m, int64_t n, int64_t k,
                           void* cv, int64_t ldc, bool accumulate, float* scratch) {
+  constexpr int64_t kAmxCallK = 1024;
+  static_assert(kAmxCallK % (tonp::kAmxSteps * kAmxK) == 0, "a span holds whole k blocks");
   static thread_local std::vector<uint16_t> pack;
-  const int64_t na = tonp::amx_packed_elems(m, k);
-  if (int64_t(pack.size()) < na) pack.resize(size_t(na));
-  const int64_t kp = (k + kAmxK - 1) / kAmxK * kAmxK, eb = BF16OUT ? 2 : 4;
-  amx_pack_a(a, m, k, 0, kp / kAmxK, pack.data());
-  for (int64_t j0 = 0; j0 < n; j0 += tonp::kAmxTileCols) {
-    const tonp::GemmOperand bj{static_cast<const uint16_t*>(b.p) + j0 * b.cs, b.rs, b.cs, b.e};
-    amx_tile_impl(pack.data(), nullptr, &bj, m, std::min(tonp::kAmxTileCols, n - j0), k,
-                  static_cast<char*>(cv) + j0 * eb, BF16OUT ? Elem::BF16 : Elem::F32, ldc, accumulate, scratch);
+  const int64_t eb = BF16OUT ? 2 : 4;
+  for (int64_t k0 = 0; k0 < k; k0 += kAmxCallK) {  // bf16 C: k <= kGemmKc, one span (the caller's rule)
+    const int64_t kc = std::min(kAmxCallK, k - k0), na = tonp::amx_packed_elems(m, kc);
+    if (int64_t(pack.size()) < na) pack.resize(size_t(na));
+    amx_pack_a({static_cast<const uint16_t*>(a.p) + k0 * a.cs, a.rs, a.cs, a.e}, m, kc, 0, (kc + kAmxK - 1) / kAmxK,
+               pack.data());
+    for (int64_t j0 = 0; j0 < n; j0 += tonp::kAmxTileCols) {
+      const tonp::GemmOperand bj{static_cast<const uint16_t*>(b.p) + k0 * b.rs + j0 * b.cs, b.rs, b.cs, b.e};
+      amx_tile_impl(pack.data(), nullptr, &bj, m, std::min(tonp::kAmxTileCols, n - j0), kc,
+                    static_cast<char*>(cv) + j0 * eb, BF16OUT ? Elem::BF16 : Elem::F32, ldc, accumulate || k0 > 0,
+                    scratch);
+    }
   }
 }
 
