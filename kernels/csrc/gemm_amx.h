@@ -208,13 +208,14 @@ static void amx_tile_impl(const uint16_t* ap, const uint16_t* bp, const tonp::Ge
     const int64_t ns = std::min<int64_t>(tonp::kAmxSteps, steps - s0), s1 = s0 + ns;
     const bool load = accumulate || s0 > 0, last = s1 == steps;
     // B's k block: block j's steps from bj + j * bstride (packed here from bsrc: ns steps a block).
-    const uint16_t* bj = bp + s0 * 1024;
-    int64_t bstride = 32 * kp;
+    const uint16_t* bj = bk;
+    int64_t bstride = 32 * ns * kAmxK;
     if (bsrc) {
       const tonp::GemmOperand rows{static_cast<const uint16_t*>(bsrc->p) + s0 * kAmxK * bsrc->rs, bsrc->rs, bsrc->cs,
                                    bsrc->e};
       amx_pack_b(rows, n, std::min(k - s0 * kAmxK, ns * kAmxK), 0, ns, bk);
-      bj = bk, bstride = 32 * ns * kAmxK;
+    } else {
+      bj = bp + s0 * 1024, bstride = 32 * kp;
     }
     // The next k block: 32 lines a step in each row block of A and column block of packed B.
     // Block (i, j) fetches the j-th share of A's row block i and the i-th of B's column block j.
