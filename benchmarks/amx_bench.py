@@ -16,6 +16,8 @@
    (fma_linear_blocks: what the proposal costs a CPU that lacks it), MKL's fp32 GEMM and tonp's
    fp32 linear. GFLOP/s and the
    ratio to stock bf16.
+3. The bf16 backward GEMM (on AMX: kernels/csrc/gemm_amx.h) against stock torch's bf16 matmul at a
+   square shape and the 30B-A3B training step's: an input and a weight gradient, round-robin.
 On a CPU with AVX-512F but no AMX (AMD EPYC) only part 2 runs, without the AMX contenders: the
 proposal's cost there. Writes benchmarks/results/amx{,_quick}.{md,json}, or amx_<machine>... where
 that file holds another machine's run (benchlib.record_stem: amx.md is the Intel Xeon's record);
@@ -135,6 +137,37 @@ def throughput(repeat, max_s, with_amx):
     return md_table(["shape", "M x K x N", "contender", "GFLOP/s", "vs stock bf16", "vs MKL fp32"], rows), data
 
 
+# The bf16 backward GEMM's shapes: a square one, and the 30B-A3B training step's (k = 256 tokens,
+# or 256 rows against K = 2048-4096), as m x k x n of C[m, n] = A[m, k] B[k, n].
+BACKWARD_SHAPES = [(2048, 2048, 2048), (4096, 256, 2048), (2048, 256, 4096), (256, 4096, 2048),
+                   (256, 2048, 4096), (768, 256, 2048)]
+
+
+def backward_gemm(repeat, max_s):
+    """tonp's bf16 backward GEMM (on AMX where the process may use it: gemm_amx.h) as
+    linear_backward runs it, an input gradient (A row-major) and a weight gradient (A the output
+    gradient transposed, column-major), against stock torch's bf16 matmul of the same m x k x n,
+    round-robin."""
+    gen = torch.Generator().manual_seed(2)
+    rows, data = [], []
+    for m, k, n in BACKWARD_SHAPES:
+        a = torch.randn(m, k, generator=gen).bfloat16()
+        bt = torch.randn(n, k, generator=gen).bfloat16()     # B^T, as F.linear reads a weight
+        w, x = bt.t().contiguous(), torch.randn(m, n, generator=gen).bfloat16()  # dx = g [m, k] @ w [k, n]
+        g, xt = torch.randn(k, m, generator=gen).bfloat16(), torch.randn(k, n, generator=gen).bfloat16()
+        wt = torch.empty(m, n, dtype=torch.bfloat16)          # dW = g^T [m, k] @ x [k, n]
+        fns = {"stock bf16 matmul": lambda: torch.nn.functional.linear(a, bt),
+               "tonp dx": lambda: torch.ops.tonp.linear_backward(a, x, w, [True, False, False], None),
+               "tonp dW": lambda: torch.ops.tonp.linear_backward(g, xt, wt, [False, True, False], None)}
+        t = timeit_interleaved(fns, repeat=repeat, max_total_s=max_s)
+        flops, base = 2 * m * k * n, t["stock bf16 matmul"].seconds
+        for c, tm in t.items():
+            rows.append([f"{m}x{k}x{n}", c, fmt(flops / tm.seconds / 1e9), fmt_ratio(base / tm.seconds)])
+            data.append({"m": m, "k": k, "n": n, "contender": c, "gflops": flops / tm.seconds / 1e9,
+                         "vs_stock_bf16": base / tm.seconds, "timing": tm})
+    return md_table(["m x k x n", "contender", "GFLOP/s", "vs stock bf16"], rows), data
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=200_000, help="outputs per numerics row")
@@ -157,6 +190,10 @@ def main(argv=None):
         num_md, num = numerics(a.samples)
     log("amx_bench: throughput")
     thr_md, thr = throughput(a.repeat, a.max_s, has_amx)
+    bwd_md, bwd = "", []
+    if has_amx:
+        log("amx_bench: the backward GEMM")
+        bwd_md, bwd = backward_gemm(a.repeat, a.max_s)
     flags = ", ".join(meta["cpu_flags"])
     md = "\n\n".join(x for x in (
         f"# AMX-BF16: what tdpbf16ps computes, and a linear in its order\n\n{meta['date']}; {meta['cpu']} ({flags}); "
@@ -178,9 +215,15 @@ def main(argv=None):
         "The prototypes, with no prefetching: AMX 2 x 2 tiles in tiles of 64 rows x 128 columns, the "
         "chunks outermost (x packed into tile order in the call); FMA 4 rows x 32 columns; both close "
         "the chunk tree in AVX-512 adds and give the reference's bits (tests/test_amx.py).",
+        "## The bf16 backward GEMM on AMX against stock torch's bf16 matmul\n\n" + bwd_md if has_amx else "",
+        "C[m, n] = A[m, k] B[k, n] in bf16, rounded once: tonp's as `linear_backward` runs it (dx: A row-major; "
+        "dW: A the output gradient transposed, column-major; both operands packed once into tile order, "
+        "`csrc/gemm_amx.h`), stock torch's as `F.linear`; round-robin, median of the repeats. Gradients are "
+        "not order-locked (CONTRACT.md, \"Gradients\"); tests/test_backward.py holds tonp's to the "
+        "instruction's measured model bit for bit." if has_amx else "",
     ) if x)
     paths = write_record(a.out, "amx_quick" if a.quick else "amx", md + "\n",
-                         {"meta": meta, "numerics": num, "throughput": thr})
+                         {"meta": meta, "numerics": num, "throughput": thr, "backward_gemm": bwd})
     print(md)
     log("amx_bench: wrote " + ", ".join(str(p) for p in paths))
     return 0

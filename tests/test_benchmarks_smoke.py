@@ -220,8 +220,8 @@ def test_decode_bench_same_bus_ratio_takes_only_rounds_on_one_bus():
 @pytest.mark.timeout(300)
 def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
     """benchmarks/amx_bench.py with a few samples and one round: on an AMX machine the measured
-    model agrees with every output and every contender is timed; with AVX-512F only, the FMA
-    contenders; with neither it says so and writes nothing."""
+    model agrees with every output and every contender is timed, the backward GEMM's too; with
+    AVX-512F only, the FMA contenders; with neither it says so and writes nothing."""
     import amx_bench
     import tonp_kernels.amx as amx
     assert amx_bench.main(["--samples", "256", "--repeat", "1", "--max-s", "0.1", "--out", str(tmp_path)]) == 0
@@ -236,8 +236,9 @@ def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
         assert data["numerics"] and all(r["measured model"] == 1.0 for r in data["numerics"])
         assert "AMX block chains, pre-packed" in contenders
         assert "tdpbf16ps" in (tmp_path / "amx.md").read_text()
+        assert {r["contender"] for r in data["backward_gemm"]} == {"stock bf16 matmul", "tonp dx", "tonp dW"}
     else:
-        assert not data["numerics"] and "AMX block chains" not in contenders
+        assert not data["numerics"] and "AMX block chains" not in contenders and not data["backward_gemm"]
 
 
 def test_a_run_never_overwrites_another_machines_record(tmp_path):
