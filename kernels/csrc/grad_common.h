@@ -42,9 +42,9 @@ inline int64_t grad_cols(int64_t m, int64_t n) {
 }
 
 // gemm_parallel on AMX (bf16 x bf16 where Kernels::gemm_on_amx): A and B packed once, in
-// parallel, into buffers every tile reads (tiles that each packed their own operands, as the
-// per-call gemm does, packed B once per row tile: 2048^3 spent a third of its time packing),
-// then tiles of C of kAmxTileRows x kAmxTileCols over threads.
+// parallel, into buffers every tile reads (tiles that each packed their own operands packed B
+// again for every row tile: 2048^3 spent a third of its time packing), then tiles of C of
+// kAmxTileRows x kAmxTileCols over threads.
 inline void gemm_parallel_amx(const Kernels* kern, const GemmOperand& a, const GemmOperand& b, int64_t m, int64_t n,
                               int64_t k, void* c, Elem ce, int64_t ldc, bool accumulate) {
   const int64_t na = amx_packed_elems(m, k), kp = (k + 31) / 32 * 32;  // kp: a line's packed elements

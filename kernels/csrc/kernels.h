@@ -387,7 +387,8 @@ struct Kernels {
   bool (*gemm_on_amx)() = nullptr;
   // Where gemm_on_amx, its parts (gemm_amx.h), which gemm_parallel runs so that its tiles share
   // one packing of the operands: amx_pack_a packs A's rows [0, lines), amx_pack_b B's columns
-  // [0, lines), all of k, into tile order (amx_packed_elems(lines, k) bf16 at dst); amx_tile
+  // [0, lines), steps [s0, s1) of k (32 elements a step), into tile order (the whole pack, all
+  // steps: amx_packed_elems(lines, k) bf16 from dst, each task writing its own part); amx_tile
   // computes C[m, n] (m <= kAmxTileRows, n <= kAmxTileCols; fp32 row stride ldc, += when
   // accumulating, or bf16 rounded once) from the packs' blocks of its first row and column
   // (pack + amx_packed_elems(i0, k) for row i0, a multiple of 32). scratch: kAmxTileRows *
