@@ -175,7 +175,10 @@ def test_the_amx_backward_gemm_is_the_instructions_chain_bit_for_bit(gen):
     on a dx and a weight gradient of 2 x 3 tiles of C, k blocks of 8 steps and a partial one,
     edge blocks of 24 rows and 14 columns, from row-major and column-major operands (the packs'
     paths by 32-line blocks and by steps of k), at 1 and 2 threads. A plain fp32 sum of the
-    same products (torch.mm) gives other bits: the check can fail."""
+    same products (torch.mm) gives other bits: the check can fail. No stock twin: stock torch's
+    bf16 matmul also keeps its bits across these thread counts and layouts here (measured on
+    the Intel Xeon), so this guards tonp's packs and tiles against the instruction's model; the
+    thread twin of the backward is test_a_reduction_over_many_rows_keeps_its_bits_with_any_thread_count."""
     if not (tk.amx.available() and torch.ops.tonp.backward_gemm() == "amx"):
         pytest.skip("no AMX-BF16 this process may use (the zmm builds are covered above)")
     g = randn(600, 300, dtype=torch.bfloat16, gen=gen)
