@@ -365,8 +365,7 @@ static inline void transpose_chunk(const T* W, int64_t ldw, int ncols, int64_t k
 }
 
 // A panel's finished sums res [rows, 16] (ncols of them a row) plus the bias, rounded to out's
-// dtype, for every path of linear_panel (the lane passes hand over their chunk tree's result in
-// place, no copy). Eight at a time with one vector store measured no faster: whole linears
+// dtype: the dot products' (the lane passes finish theirs in finish_rows_c, the same steps). Eight at a time with one vector store measured no faster: whole linears
 // 0.98-1.00x, one row an expert 0.97-0.99x (AMD EPYC, Zen 4, one process). Kept out of line:
 // inlined by GCC into the 6-row tiles' linear_rows_blocked, its copy took a quarter of the call
 // (Intel Xeon, one thread, 2048 x 768 x 2048 in place: 76 GFLOP/s inlined, 96 out of line).
@@ -380,16 +379,79 @@ __attribute__((noinline)) static void store_rows(const float* res, int64_t rows,
     }
 }
 
+// The chunk tree of C (a power of two) partials `stride` floats apart, eight outputs at a time, in
+// registers: tree(0, C) = tree(0, C/2) + tree(C/2, C), the pairwise tree chunk_tree computes level
+// by level in place, ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) for C = 8: the same adds of the same values.
+template <int C>
+static inline V8 chunk_tree8(const float* p, int64_t stride) {
+  if constexpr (C == 1)
+    return vload(p);
+  else
+    return vadd(chunk_tree8<C / 2>(p, stride), chunk_tree8<C / 2>(p + (C / 2) * stride, stride));
+}
+
+// `rows` rows of a panel's partials (pb: the first row's chunk 0, chunk c at c * cstride) closed by
+// the chunk tree, plus the bias, rounded to out's dtype and stored from out: chunk_tree and
+// store_rows in one pass, a row's sixteen outputs finished in registers and stored as they are
+// (fp32 out, a whole panel) or through store1. The same adds of the same values, the same bias
+// add and rounding. Kept out of line, as store_rows. The lane passes call it for each row tile
+// right after the tile's last chunk (linear_rows_blocked, linear_panels2), while its partials are
+// near, where the two passes had run over the whole block's partials after its last chunk (a
+// sixth of a 2048 x 768 x 2048 call in place, perf, one thread). On the Intel Xeon (family 6,
+// model 167), 2 threads, against the two passes alternated in one process, every output byte
+// equal: tk.linear fp32 in place 2048 x 768 x 2048 1.05-1.07x, 512 x 768 x 2048 1.02-1.07x,
+// K = 2048 and 4096 (512-2048 rows) 1.02-1.06x, 9 x 4096 x 100 1.14x; the AVX2 table there
+// 1.00-1.05x.
+template <int C>
+__attribute__((noinline)) static void finish_rows_c(const float* pb, int64_t cstride, int64_t rows, int ncols,
+                                                    const float* bias, void* out, int64_t ldo, Elem oelem) {
+  const bool vec = oelem == Elem::F32 && ncols == kPanel;
+  for (int64_t r = 0; r < rows; ++r) {
+    alignas(32) float t[kPanel];
+    for (int n0 = 0; n0 < kPanel; n0 += 8) {
+      V8 v = chunk_tree8<C>(pb + r * kPanel + n0, cstride);
+      if (vec) {
+        if (bias) v = vadd(v, vload(bias + n0));
+        vstore(static_cast<float*>(out) + r * ldo + n0, v);
+      } else {
+        vstore(t + n0, v);
+      }
+    }
+    if (!vec)
+      for (int j = 0; j < ncols; ++j) store1(out, r * ldo + j, bias ? t[j] + bias[j] : t[j], oelem);
+  }
+}
+// Whether finish_rows_c takes this chunk count (a power of two, as tk.linear's checks require).
+constexpr bool finishes_by_rows(int chunks) { return chunks >= 1 && chunks <= tonp::kMaxChunks && (chunks & (chunks - 1)) == 0; }
+static void finish_rows_at(const float* pb, int64_t cstride, int64_t rows, int chunks, int ncols, const float* bias,
+                           void* out, int64_t ldo, Elem oelem) {
+  switch (chunks) {
+    case 1: return finish_rows_c<1>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    case 2: return finish_rows_c<2>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    case 4: return finish_rows_c<4>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    case 8: return finish_rows_c<8>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    case 16: return finish_rows_c<16>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    case 32: return finish_rows_c<32>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+    default: return finish_rows_c<64>(pb, cstride, rows, ncols, bias, out, ldo, oelem);
+  }
+}
+// A block's partials pb [chunks, rows, 16] finished and stored (out: its first row).
+static void finish_rows(float* pb, int64_t rows, int chunks, int ncols, const float* bias, void* out, int64_t ldo,
+                        Elem oelem) {
+  const int64_t cstride = rows * kPanel;
+  if (finishes_by_rows(chunks)) return finish_rows_at(pb, cstride, rows, chunks, ncols, bias, out, ldo, oelem);
+  chunk_tree(pb, cstride, chunks, cstride);  // any other count: the tree level by level, in place
+  store_rows(pb, rows, ncols, bias, out, ldo, oelem);
+}
+
 // The np adjacent whole panels' partials pb[p] ([chunks, rows, 16] each) closed by the chunk tree
 // and stored with the bias from out's panel p on: the last step of every multi-panel call.
 static void finish_panels(float* const* pb, int np, int64_t rows, int chunks, const float* bias, void* out,
                           int64_t ldo, Elem oelem) {
-  const int64_t cstride = rows * kPanel, osz = oelem == Elem::F32 ? 4 : 2;
-  for (int p = 0; p < np; ++p) {
-    chunk_tree(pb[p], cstride, chunks, cstride);
-    store_rows(pb[p], rows, kPanel, bias ? bias + p * kPanel : nullptr, static_cast<char*>(out) + p * kPanel * osz, ldo,
-               oelem);
-  }
+  const int64_t osz = oelem == Elem::F32 ? 4 : 2;
+  for (int p = 0; p < np; ++p)
+    finish_rows(pb[p], rows, chunks, kPanel, bias ? bias + p * kPanel : nullptr, static_cast<char*>(out) + p * kPanel * osz,
+                ldo, oelem);
 }
 
 #if !defined(TONP_AVX512)
@@ -423,11 +485,17 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
                                 int64_t kc, int chunks, int ncols, float* pbuf /* [chunks, rows, 16] */,
                                 float* wt /* [kc, 16] */, const float* wg, const float* bias, void* out, int64_t ldo,
                                 Elem oelem) {
-  const int64_t cstride = rows * kPanel, tiles = (rows + TR - 1) / TR;
+  const int64_t cstride = rows * kPanel, tiles = (rows + TR - 1) / TR, osz = oelem == Elem::F32 ? 4 : 2;
   const LaneStarts starts(kc);
 #if !defined(TONP_AVX512)
   const StreamPlan streamed(wg, kc, rows);
+  const bool tiled = kc > 8 && !streamed.on;
+#else
+  const bool tiled = kc > 8;
 #endif
+  // The row tiles' passes (not the one-step chunks' or the streamed blocks'): each tile's rows are
+  // finished right after its last chunk (finish_rows_at), their partials still near.
+  const bool by_tile = tiled && finishes_by_rows(chunks);
   for (int c = 0; c < chunks; ++c) {
     const float* xc = x + c * kc;
     float* pc = pbuf + c * cstride;
@@ -450,15 +518,18 @@ static void linear_rows_blocked(const float* x, int64_t ldx, const float* xl, in
       continue;
     }
 #endif
+    const bool last = by_tile && c + 1 == chunks;
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
       // a panel's chunks, then the next panel's, follow one another in the groups
       const GroupFetch f = group_fetch(kSpread, false, kc, kc * kPanel, tiles, r, mr(), TR);
       const LaneWalk lw = wg ? LaneWalk::grouped(blk, kc, f, starts) : LaneWalk::transposed(blk, kc, starts);
       lane_tile_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, lw, pc + r * kPanel);
+      if (last)
+        finish_rows_at(pbuf + r * kPanel, cstride, mr(), chunks, ncols, bias, static_cast<char*>(out) + r * ldo * osz, ldo,
+                       oelem);
     });
   }
-  chunk_tree(pbuf, cstride, chunks, cstride);
-  store_rows(pbuf, rows, ncols, bias, out, ldo, oelem);
+  if (!by_tile) finish_rows(pbuf, rows, chunks, ncols, bias, out, ldo, oelem);
 }
 
 #if defined(TONP_AVX512)
@@ -478,19 +549,26 @@ static void linear_panels2(const float* xl, int64_t rows, const float* W, int64_
   const LaneStarts starts(kc);
   float* const pb[2] = {pbuf, pbuf + chunks * cstride};
   const int64_t tiles = (rows + TR - 1) / TR;
+  const int64_t osz = oelem == Elem::F32 ? 4 : 2;
+  const bool by_tile = finishes_by_rows(chunks);  // each tile's rows finished after its last chunk
   for (int c = 0; c < chunks; ++c) {
     if (!wg) transpose_chunk_ahead(W, ldw, 2, kPanel, kc, c, chunks, wt);
     const float* b0 = wg ? wg + c * kc * kPanel : wt;
     const float* b1 = wg ? wg + gsz + c * kc * kPanel : wt + kc * kPanel;
     const int64_t next = c + 1 < chunks ? kc * kPanel : 2 * gsz - c * kc * kPanel;  // after the last: the next two panels'
+    const bool last = by_tile && c + 1 == chunks;
     for_row_tiles<TR>(rows, [&](int64_t r, auto mr) {
       const GroupFetch f = group_fetch(true, true, kc, next, tiles, r, mr(), TR);
       const LaneWalk w0 = wg ? LaneWalk::grouped(b0, kc, f, starts) : LaneWalk::transposed(b0, kc, starts);
       const LaneWalk w1 = wg ? LaneWalk::grouped(b1, kc, f, starts) : LaneWalk::transposed(b1, kc, starts);
       lane_tile2_packed<mr()>(xl + r * kc * chunks + c * mr() * kc, w0, w1, pb[0] + c * cstride + r * kPanel,
                               pb[1] + c * cstride + r * kPanel);
+      if (last)
+        for (int p = 0; p < 2; ++p)
+          finish_rows_at(pb[p] + r * kPanel, cstride, mr(), chunks, kPanel, bias ? bias + p * kPanel : nullptr,
+                         static_cast<char*>(out) + (r * ldo + p * kPanel) * osz, ldo, oelem);
     });
   }
-  finish_panels(pb, 2, rows, chunks, bias, out, ldo, oelem);
+  if (!by_tile) finish_panels(pb, 2, rows, chunks, bias, out, ldo, oelem);
 }
 #endif
