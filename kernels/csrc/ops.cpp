@@ -256,7 +256,7 @@ at::Tensor round_out(const at::Tensor& out, at::ScalarType dtype) {
 }
 
 size_t attn_scratch(int64_t G, int64_t D, int64_t block) {
-  return size_t(G * ((block + 7) / 8 * 8) + G * D + 3 * G);
+  return size_t(G * ((block + 7) / 8 * 8) + G * D + 3 * G + block * D);  // kernels_impl.h attention_t
 }
 
 at::Tensor attention_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& cu_,
