@@ -92,6 +92,14 @@ constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, p
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
+// Scratch floats of one KV head's online softmax in Kernels::attention: scores [G, block
+// rounded up to 8], running outputs [G, D], max, sum and rescale [G] each.
+inline int64_t attn_head_floats(int64_t G, int64_t D, int64_t block) { return G * ((block + 7) / 8 * 8) + G * D + 3 * G; }
+// ... and of a call on `heads` heads: theirs, and a block's keys widened to fp32 [block, D].
+inline int64_t attn_scratch(int64_t G, int64_t D, int64_t block, int64_t heads) {
+  return heads * attn_head_floats(G, D, block) + block * D;
+}
+
 struct AttnQuery {
   const float* q;      // [G, D] fp32: the G query heads that share one KV head
   float* out;          // [G, D] fp32
@@ -269,9 +277,13 @@ struct Kernels {
   void (*linear_panel)(const float* x, int64_t ldx, int64_t rows, const void* W, int64_t ldw,
                        Elem welem, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                        int64_t ldo, Elem oelem, float* scratch, const float* xl, const float* wgroups);
-  // Causal attention for one query position and one KV head (G query heads), online softmax
-  // over key blocks of `block` positions aligned to position 0.
-  void (*attention)(const AttnQuery& a, int G, int D, int block, Elem kv, float scale,
+  // Causal attention for one query position and `heads` consecutive KV heads (G query heads
+  // each; head h's queries and outputs h * G * D floats on from a's, its K and V h * D elements
+  // on), online softmax over key blocks of `block` positions aligned to position 0, block by
+  // block, every head of a block before the next block (a position's heads are one run of the
+  // cache). scratch: attn_scratch(G, D, block, heads) floats. Each head's arithmetic is the
+  // same whatever `heads` is.
+  void (*attention)(const AttnQuery& a, int heads, int G, int D, int block, Elem kv, float scale,
                     float* scratch);
   // Row-wise ops.
   void (*rms_norm)(const void* x, const void* w, void* out, int64_t H, float eps, Elem e,

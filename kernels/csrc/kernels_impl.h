@@ -56,108 +56,125 @@ static inline void pv_heads(float* o, const float* sc, const float* alpha, const
 }
 
 template <typename T>
-static void attention_t(const AttnQuery& a, int G, int D, int block, float scale, float* scratch) {
+static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block, float scale, float* scratch) {
   const int bpad = (block + 7) / 8 * 8;
-  float* sc = scratch;                  // [G, bpad] scores, then probabilities
-  float* o = sc + int64_t(G) * bpad;    // [G, D] running outputs
-  float* m = o + int64_t(G) * D;        // [G] running max
-  float* l = m + G;                     // [G] running sum
-  float* alpha = l + G;                 // [G] rescale of the running output for this block
-  float* kw = alpha + G;                // [block, D] bf16 keys: the block's keys widened to fp32
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-    for (int d = 0; d < D; ++d) o[g * D + d] = 0.f;
-  }
-  const int64_t nblocks = a.pos / block + 1;
-  const bool fetch = a.pages || !std::is_same_v<T, float>;  // the next block's rows (below)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int n = int(a.pos + 1 - b * block < block ? a.pos + 1 - b * block : block);
-    const int64_t off = a.pages ? int64_t(a.pages[b]) * a.page_stride : b * block * a.pos_stride;
-    const T* kb = static_cast<const T*>(a.k_base) + off;
-    const T* vb = static_cast<const T*>(a.v_base) + off;
-    // The keys the G heads' score chains read: bf16 keys widened to fp32 once a block (exact: the
-    // same operands), not once a head. Intel Xeon (family 6, model 167), 2 threads, 32 query and 4
-    // KV heads of 128, paged bf16 caches, against widening per head, alternated in one process,
-    // outputs equal: decode at batch 1 / 16, context 1024 and 4096, 1.00-1.16x.
-    const float* kf;
-    int64_t kstride;
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      for (int j = 0; j < n; ++j)
-        for (int d = 0; d < D; d += 8) vstore(kw + int64_t(j) * D + d, vload(kb + j * a.pos_stride + d));
-      kf = kw, kstride = D;
-    } else {
-      kf = kb, kstride = a.pos_stride;
-    }
-    // The next block's K and V rows (this head's slice of each position: D elements a key, a
-    // cache row apart) fetched into L2 while this block computes, spread over its score
-    // iterations: the rows are short runs far apart, which the hardware prefetchers do not follow
-    // (perf had put a quarter of a bf16 decode's time on the first load of each K row). Hints only
-    // (integer addresses, no arithmetic). Same machine and shapes, against none: paged decode bf16
-    // 1.12-1.65x (batch 16, context 4096: 538 -> 885 tok/s), fp32 0.92-1.20x; the varlen prefill
-    // (1024 and 2048 tokens) bf16 1.04-1.13x, fp32 0.92-0.95x, so an fp32 varlen call fetches none.
-    const int64_t bn = b + 1;
-    const int nn = bn < nblocks && fetch ? int(a.pos + 1 - bn * block < block ? a.pos + 1 - bn * block : block) : 0;
-    const int64_t offn = nn ? (a.pages ? int64_t(a.pages[bn]) * a.page_stride : bn * block * a.pos_stride) : 0;
-    const uintptr_t kn = reinterpret_cast<uintptr_t>(a.k_base) + sizeof(T) * uintptr_t(offn);
-    const uintptr_t vn = reinterpret_cast<uintptr_t>(a.v_base) + sizeof(T) * uintptr_t(offn);
-    const int iters = G * ((n + 7) / 8);
-    int it = 0;
-    auto fetch_next = [&]() {
-      if (!nn) return;
-      const int j1 = int(int64_t(it + 1) * nn / iters);
-      for (int j = int(int64_t(it) * nn / iters); j < j1; ++j)
-        for (int64_t by = 0; by < int64_t(sizeof(T)) * D; by += 64) {
-          const uintptr_t row = sizeof(T) * uintptr_t(j * a.pos_stride) + uintptr_t(by);
-          __builtin_prefetch(reinterpret_cast<const void*>(kn + row), 0, 2);
-          __builtin_prefetch(reinterpret_cast<const void*>(vn + row), 0, 2);
-        }
-      ++it;
-    };
+  const int64_t hfl = tonp::attn_head_floats(G, D, block);
+  float* kw = scratch + heads * hfl;    // [block, D] bf16 keys: the block's keys widened to fp32
+  // Head h's state at scratch + h * hfl: scores [G, bpad] (then probabilities), running outputs
+  // [G, D], running max, running sum, and this block's rescale [G] each.
+  for (int h = 0; h < heads; ++h) {
+    float* o = scratch + h * hfl + int64_t(G) * bpad;
+    float* m = o + int64_t(G) * D;
     for (int g = 0; g < G; ++g) {
-      const float* q = a.q + int64_t(g) * D;
-      float* s = sc + int64_t(g) * bpad;
-      // Scores: per key an 8-lane FMA chain over d, then the fixed hsum tree. Eight keys at a
-      // time (independent chains); lanes past the block's valid keys read key 0 and are unused.
-      for (int j0 = 0; j0 < n; j0 += 8) {
-        fetch_next();
-        const float* kj[8];
-        for (int jj = 0; jj < 8; ++jj) kj[jj] = kf + (j0 + jj < n ? j0 + jj : 0) * kstride;
-        V8 acc[8];
-        for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
-        for (int d = 0; d < D; d += 8) {
-          const V8 qv = vload(q + d);
-          for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kj[jj] + d), acc[jj]);
-        }
-        vstore(s + j0, vmul(hsum8(acc), vset1(scale)));
-      }
-      float mb = s[0];
-      for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
-      const float m_new = mb > m[g] ? mb : m[g];
-      alpha[g] = m[g] == -INFINITY ? 0.f : sexp(m[g] - m_new);
-      for (int j0 = 0; j0 < n; j0 += 8) vstore(s + j0, vexp(vsub(vload(s + j0), vset1(m_new))));
-      float lg = l[g] * alpha[g];
-      for (int j = 0; j < n; ++j) lg = lg + s[j];
-      l[g] = lg;
-      m[g] = m_new;
+      m[g] = -INFINITY;
+      m[G + g] = 0.f;
+      for (int d = 0; d < D; ++d) o[g * D + d] = 0.f;
     }
-    // P.V: per output element (g, d) a sequential FMA chain over the block's keys in order,
-    // starting from the rescaled running output; the G heads run side by side.
-    int g = 0;
-    for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-    for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-    for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
   }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; d += 8)
-      vstore(a.out + int64_t(g) * D + d, vdiv(vload(o + int64_t(g) * D + d), vset1(l[g])));
+  const int64_t nblocks = a0.pos / block + 1;
+  const bool fetch = a0.pages || !std::is_same_v<T, float>;  // the next block's rows (below)
+  for (int64_t b = 0; b < nblocks; ++b)
+    for (int h = 0; h < heads; ++h) {
+      float* sc = scratch + h * hfl;
+      float* o = sc + int64_t(G) * bpad;
+      float* m = o + int64_t(G) * D;
+      float* l = m + G;
+      float* alpha = l + G;
+      AttnQuery a = a0;
+      a.q += int64_t(h) * G * D;
+      a.k_base = static_cast<const T*>(a0.k_base) + int64_t(h) * D;
+      a.v_base = static_cast<const T*>(a0.v_base) + int64_t(h) * D;
+      const int n = int(a.pos + 1 - b * block < block ? a.pos + 1 - b * block : block);
+      const int64_t off = a.pages ? int64_t(a.pages[b]) * a.page_stride : b * block * a.pos_stride;
+      const T* kb = static_cast<const T*>(a.k_base) + off;
+      const T* vb = static_cast<const T*>(a.v_base) + off;
+      // The keys the G heads' score chains read: bf16 keys widened to fp32 once a block (exact: the
+      // same operands), not once a head. Intel Xeon (family 6, model 167), 2 threads, 32 query and 4
+      // KV heads of 128, paged bf16 caches, against widening per head, alternated in one process,
+      // outputs equal: decode at batch 1 / 16, context 1024 and 4096, 1.00-1.16x.
+      const float* kf;
+      int64_t kstride;
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        for (int j = 0; j < n; ++j)
+          for (int d = 0; d < D; d += 8) vstore(kw + int64_t(j) * D + d, vload(kb + j * a.pos_stride + d));
+        kf = kw, kstride = D;
+      } else {
+        kf = kb, kstride = a.pos_stride;
+      }
+      // The next block's K and V rows (this head's slice of each position: D elements a key, a
+      // cache row apart) fetched into L2 while this block computes, spread over its score
+      // iterations: the rows are short runs far apart, which the hardware prefetchers do not follow
+      // (perf had put a quarter of a bf16 decode's time on the first load of each K row). Hints only
+      // (integer addresses, no arithmetic). Same machine and shapes, against none: paged decode bf16
+      // 1.12-1.65x (batch 16, context 4096: 538 -> 885 tok/s), fp32 0.92-1.20x; the varlen prefill
+      // (1024 and 2048 tokens) bf16 1.04-1.13x, fp32 0.92-0.95x, so an fp32 varlen call fetches none.
+      const int64_t bn = b + 1;
+      const int nn = bn < nblocks && fetch ? int(a.pos + 1 - bn * block < block ? a.pos + 1 - bn * block : block) : 0;
+      const int64_t offn = nn ? (a.pages ? int64_t(a.pages[bn]) * a.page_stride : bn * block * a.pos_stride) : 0;
+      const uintptr_t kn = reinterpret_cast<uintptr_t>(a.k_base) + sizeof(T) * uintptr_t(offn);
+      const uintptr_t vn = reinterpret_cast<uintptr_t>(a.v_base) + sizeof(T) * uintptr_t(offn);
+      const int iters = G * ((n + 7) / 8);
+      int it = 0;
+      auto fetch_next = [&]() {
+        if (!nn) return;
+        const int j1 = int(int64_t(it + 1) * nn / iters);
+        for (int j = int(int64_t(it) * nn / iters); j < j1; ++j)
+          for (int64_t by = 0; by < int64_t(sizeof(T)) * D; by += 64) {
+            const uintptr_t row = sizeof(T) * uintptr_t(j * a.pos_stride) + uintptr_t(by);
+            __builtin_prefetch(reinterpret_cast<const void*>(kn + row), 0, 2);
+            __builtin_prefetch(reinterpret_cast<const void*>(vn + row), 0, 2);
+          }
+        ++it;
+      };
+      for (int g = 0; g < G; ++g) {
+        const float* q = a.q + int64_t(g) * D;
+        float* s = sc + int64_t(g) * bpad;
+        // Scores: per key an 8-lane FMA chain over d, then the fixed hsum tree. Eight keys at a
+        // time (independent chains); lanes past the block's valid keys read key 0 and are unused.
+        for (int j0 = 0; j0 < n; j0 += 8) {
+          fetch_next();
+          const float* kj[8];
+          for (int jj = 0; jj < 8; ++jj) kj[jj] = kf + (j0 + jj < n ? j0 + jj : 0) * kstride;
+          V8 acc[8];
+          for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
+          for (int d = 0; d < D; d += 8) {
+            const V8 qv = vload(q + d);
+            for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kj[jj] + d), acc[jj]);
+          }
+          vstore(s + j0, vmul(hsum8(acc), vset1(scale)));
+        }
+        float mb = s[0];
+        for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
+        const float m_new = mb > m[g] ? mb : m[g];
+        alpha[g] = m[g] == -INFINITY ? 0.f : sexp(m[g] - m_new);
+        for (int j0 = 0; j0 < n; j0 += 8) vstore(s + j0, vexp(vsub(vload(s + j0), vset1(m_new))));
+        float lg = l[g] * alpha[g];
+        for (int j = 0; j < n; ++j) lg = lg + s[j];
+        l[g] = lg;
+        m[g] = m_new;
+      }
+      // P.V: per output element (g, d) a sequential FMA chain over the block's keys in order,
+      // starting from the rescaled running output; the G heads run side by side.
+      int g = 0;
+      for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+      for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+      for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+    }
+  for (int h = 0; h < heads; ++h) {
+    const float* o = scratch + h * hfl + int64_t(G) * bpad;
+    const float* l = o + int64_t(G) * D + G;
+    float* out = a0.out + int64_t(h) * G * D;
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; d += 8) vstore(out + int64_t(g) * D + d, vdiv(vload(o + int64_t(g) * D + d), vset1(l[g])));
+  }
 }
 
-static void attention(const AttnQuery& a, int G, int D, int block, Elem kv, float scale, float* scratch) {
+// `heads` consecutive KV heads of one query (kernels.h: Kernels::attention), block by block.
+static void attention(const AttnQuery& a, int heads, int G, int D, int block, Elem kv, float scale, float* scratch) {
   if (kv == Elem::F32)
-    attention_t<float>(a, G, D, block, scale, scratch);
+    attention_t<float>(a, heads, G, D, block, scale, scratch);
   else
-    attention_t<uint16_t>(a, G, D, block, scale, scratch);
+    attention_t<uint16_t>(a, heads, G, D, block, scale, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
