@@ -1,9 +1,10 @@
 // The AVX512-BF16 build: the AVX2 table with the bf16 x bf16 linear on vdpbf16ps (bf16dot_hw.h),
-// the fp32-FMA linear's lane passes on zmm (linear_lanes.h, TONP_AVX512) and the backward GEMM on
-// AVX-512 (gemm_hw.h). Every other entry is the AVX2 table's own function. The zmm lane passes
-// perform the AVX2 build's chains operand for operand; the pair chains run on the new instruction
-// and give the emulation's bits (checked here once, on a table of edge cases, before the table is
-// used; a CPU whose instruction disagrees keeps the AVX2 emulation).
+// the fp32-FMA linear's lane passes on zmm (linear_lanes.h, TONP_AVX512), attention's inner loops
+// on zmm (kernels_impl.h) and the backward GEMM on AVX-512 (gemm_hw.h). Every other entry is the
+// AVX2 table's own function. The zmm lane passes and attention loops perform the AVX2 build's
+// chains operand for operand; the pair chains run on the new instruction and give the
+// emulation's bits (checked here once, on a table of edge cases, before the table is used; a CPU
+// whose instruction disagrees keeps the AVX2 emulation).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -106,6 +107,7 @@ const Kernels* kernels_avx512bf16() {
     if (!tonp_avx512bf16::self_check(kernels_avx2())) return nullptr;
     static Kernels t = *kernels_avx2();
     t.name = TONP_ISA_NAME;
+    t.attention = tonp_avx512bf16::attention;  // its zmm inner loops (kernels_impl.h), the AVX2 build's chains
     tonp_avx512bf16::set_pair_tiles(t, tonp_avx512bf16::intel_cpu());
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.row_block_f32 = tonp::kRowBlockF32;

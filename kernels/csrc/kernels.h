@@ -95,9 +95,9 @@ enum class Elem : int { F32 = 0, BF16 = 1 };
 // Scratch floats of one KV head's online softmax in Kernels::attention: scores [G, block
 // rounded up to 8], running outputs [G, D], max, sum and rescale [G] each.
 inline int64_t attn_head_floats(int64_t G, int64_t D, int64_t block) { return G * ((block + 7) / 8 * 8) + G * D + 3 * G; }
-// ... and of a call on `heads` heads: theirs, and a block's keys widened to fp32 [block, D].
+// ... and of a call on `heads` heads: theirs, and a block's keys as fp32 [block rounded up to 8, D].
 inline int64_t attn_scratch(int64_t G, int64_t D, int64_t block, int64_t heads) {
-  return heads * attn_head_floats(G, D, block) + block * D;
+  return heads * attn_head_floats(G, D, block) + (block + 7) / 8 * 8 * D;
 }
 
 struct AttnQuery {

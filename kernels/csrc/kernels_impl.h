@@ -43,8 +43,8 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // ---------------------------------------------------------------------------------------------
 template <int GG, typename T>
 static inline void pv_heads(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
-                            int D, int bpad, int g0) {
-  for (int d = 0; d < D; d += 8) {
+                            int D, int bpad, int g0, int dlen) {  // d = 0 .. dlen (o, vb: from the first)
+  for (int d = 0; d < dlen; d += 8) {
     V8 acc[GG];
     for (int gg = 0; gg < GG; ++gg) acc[gg] = vmul(vload(o + int64_t(g0 + gg) * D + d), vset1(alpha[g0 + gg]));
     for (int j = 0; j < n; ++j) {
@@ -54,6 +54,73 @@ static inline void pv_heads(float* o, const float* sc, const float* alpha, const
     for (int gg = 0; gg < GG; ++gg) vstore(o + int64_t(g0 + gg) * D + d, acc[gg]);
   }
 }
+
+#if defined(TONP_AVX512)
+// The AVX-512 build's attention inner loops on zmm: the same chains, sixteen lanes an instruction.
+// P.V: pv_heads over sixteen or thirty-two d's at a time (each output element's chain is its own
+// lane, so the width changes no operation); the V8 pv_heads takes a last eight.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> fp32 (exact)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <int GG, int DV, typename T>
+static inline void pv_heads16(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
+                              int D, int bpad, int g0, int d) {
+  __m512 acc[DV][GG];
+  _Pragma("GCC unroll 8") for (int gg = 0; gg < GG; ++gg) {
+    const __m512 al = _mm512_set1_ps(alpha[g0 + gg]);
+    for (int u = 0; u < DV; ++u) acc[u][gg] = _mm512_mul_ps(load16(o + int64_t(g0 + gg) * D + d + 16 * u), al);
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 v[DV];
+    for (int u = 0; u < DV; ++u) v[u] = load16(vb + j * pos_stride + d + 16 * u);
+    _Pragma("GCC unroll 8") for (int gg = 0; gg < GG; ++gg) {
+      const __m512 p = _mm512_set1_ps(sc[int64_t(g0 + gg) * bpad + j]);
+      for (int u = 0; u < DV; ++u) acc[u][gg] = _mm512_fmadd_ps(p, v[u], acc[u][gg]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int gg = 0; gg < GG; ++gg)
+    for (int u = 0; u < DV; ++u) _mm512_storeu_ps(o + int64_t(g0 + gg) * D + d + 16 * u, acc[u][gg]);
+}
+template <int GG, typename T>
+static inline void pv_heads_zmm(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
+                                int D, int bpad, int g0) {
+  int d = 0;
+  for (; d + 32 <= D; d += 32) pv_heads16<GG, 2, T>(o, sc, alpha, vb, pos_stride, n, D, bpad, g0, d);
+  for (; d + 16 <= D; d += 16) pv_heads16<GG, 1, T>(o, sc, alpha, vb, pos_stride, n, D, bpad, g0, d);
+  if (d < D) pv_heads<GG, T>(o + d, sc, alpha, vb + d, pos_stride, n, D, bpad, g0, D - d);
+}
+// A block's keys in pairs for zmm_scores: pair p (keys 2p and 2p + 1) at kp + 2 p D, each eight-d
+// step of key 2p followed by the same step of key 2p + 1 (bf16 widened, exact); keys from n to
+// the next multiple of 8 copy key 0, as the V8 scores read it there (their scores are unused).
+template <typename T>
+static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int D, float* kp) {
+  const int n8 = (n + 7) / 8 * 8;
+  for (int j = 0; j < n8; ++j) {
+    const T* src = kb + (j < n ? j : 0) * pos_stride;
+    float* dst = kp + int64_t(j / 2) * 2 * D + (j % 2) * 8;
+    for (int d = 0; d < D; d += 8) vstore(dst + 2 * d, vload(src + d));
+  }
+}
+// The scores of keys j0 .. j0 + 7 of one query head from pair_keys: key 2p's eight-lane chain in
+// the low half of acc[p], key 2p + 1's in the high half, q's eight d's in both; then the V8
+// hsum tree over the eight keys' lane vectors, as the V8 scores close them.
+static inline void zmm_scores8(const float* q, const float* kp, int D, float scale, float* s) {
+  __m512 acc[4];
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + d))));  // AVX512F
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp + int64_t(p) * 2 * D + 2 * d), acc[p]);
+  }
+  V8 a8[8];
+  for (int p = 0; p < 4; ++p) {
+    a8[2 * p] = {_mm512_castps512_ps256(acc[p])};
+    a8[2 * p + 1] = {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1))};
+  }
+  vstore(s, vmul(hsum8(a8), vset1(scale)));
+}
+#endif
 
 template <typename T>
 static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block, float scale, float* scratch) {
@@ -94,6 +161,10 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
       // outputs equal: decode at batch 1 / 16, context 1024 and 4096, 1.00-1.16x.
       const float* kf;
       int64_t kstride;
+#if defined(TONP_AVX512)
+      pair_keys(kb, a.pos_stride, n, D, kw);  // the zmm scores' pairs (fp32 keys copied)
+      kf = kw, kstride = D;
+#else
       if constexpr (std::is_same_v<T, uint16_t>) {
         for (int j = 0; j < n; ++j)
           for (int d = 0; d < D; d += 8) vstore(kw + int64_t(j) * D + d, vload(kb + j * a.pos_stride + d));
@@ -101,6 +172,7 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
       } else {
         kf = kb, kstride = a.pos_stride;
       }
+#endif
       // The next block's K and V rows (this head's slice of each position: D elements a key, a
       // cache row apart) fetched into L2 while this block computes, spread over its score
       // iterations: the rows are short runs far apart, which the hardware prefetchers do not follow
@@ -133,6 +205,10 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
         // time (independent chains); lanes past the block's valid keys read key 0 and are unused.
         for (int j0 = 0; j0 < n; j0 += 8) {
           fetch_next();
+#if defined(TONP_AVX512)
+          zmm_scores8(q, kf + int64_t(j0) * D, D, scale, s + j0);
+          continue;
+#endif
           const float* kj[8];
           for (int jj = 0; jj < 8; ++jj) kj[jj] = kf + (j0 + jj < n ? j0 + jj : 0) * kstride;
           V8 acc[8];
@@ -156,9 +232,15 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
       // P.V: per output element (g, d) a sequential FMA chain over the block's keys in order,
       // starting from the rescaled running output; the G heads run side by side.
       int g = 0;
-      for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-      for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-      for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+#if defined(TONP_AVX512)
+      for (; g + 8 <= G; g += 8) pv_heads_zmm<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+      for (; g + 4 <= G; g += 4) pv_heads_zmm<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+      for (; g < G; ++g) pv_heads_zmm<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+#else
+      for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
+      for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
+      for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
+#endif
     }
   for (int h = 0; h < heads; ++h) {
     const float* o = scratch + h * hfl + int64_t(G) * bpad;
