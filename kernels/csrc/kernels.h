@@ -92,9 +92,13 @@ constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, p
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
-// Scratch floats of one KV head's online softmax in Kernels::attention: scores [G, block
-// rounded up to 8], running outputs [G, D], max, sum and rescale [G] each.
-inline int64_t attn_head_floats(int64_t G, int64_t D, int64_t block) { return G * ((block + 7) / 8 * 8) + G * D + 3 * G; }
+// Scratch floats of one KV head's online softmax in Kernels::attention (kernels_impl.h): scores
+// [block, G] with both rounded up to multiples of 8, running outputs [G, D], max, sum and rescale
+// [G rounded up to 8] each.
+inline int64_t attn_head_floats(int64_t G, int64_t D, int64_t block) {
+  const int64_t Gp = (G + 7) / 8 * 8;
+  return (block + 7) / 8 * 8 * Gp + G * D + 3 * Gp;
+}
 // ... and of a call on `heads` heads: theirs, and a block's keys as fp32 [block rounded up to 8, D].
 inline int64_t attn_scratch(int64_t G, int64_t D, int64_t block, int64_t heads) {
   return heads * attn_head_floats(G, D, block) + (block + 7) / 8 * 8 * D;

@@ -40,19 +40,41 @@ static inline V8 loadv(const void* p, int64_t i, Elem e) {
 // ---------------------------------------------------------------------------------------------
 // Attention: one query position, one KV head, its G query heads. Keys in blocks aligned to
 // position 0; online softmax in fp32 over the blocks in order; one division at the end.
+// A head's scores and probabilities are kept transposed, [key][query head] (the heads padded to a
+// multiple of 8, Gp): the softmax's sequential max and sum over a block's keys then run for
+// eight query heads at once, one chain a lane, where one head at a time each was a chain of
+// scalar ops waiting on the last (a third of a cached bf16 decode's time, perf). Only which
+// chains share an instruction changes.
 // ---------------------------------------------------------------------------------------------
+// P.V: per output element (g, d) a sequential FMA chain over the block's keys in order, starting
+// from the rescaled running output; GG heads side by side, d = 0 .. dlen (o, vb from the first).
 template <int GG, typename T>
-static inline void pv_heads(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
-                            int D, int bpad, int g0, int dlen) {  // d = 0 .. dlen (o, vb: from the first)
+static inline void pv_heads(float* o, const float* pt, int Gp, const float* alpha, const T* vb, int64_t pos_stride,
+                            int n, int D, int g0, int dlen) {
   for (int d = 0; d < dlen; d += 8) {
     V8 acc[GG];
     for (int gg = 0; gg < GG; ++gg) acc[gg] = vmul(vload(o + int64_t(g0 + gg) * D + d), vset1(alpha[g0 + gg]));
     for (int j = 0; j < n; ++j) {
       const V8 v = vload(vb + j * pos_stride + d);
-      for (int gg = 0; gg < GG; ++gg) acc[gg] = vfma(vset1(sc[int64_t(g0 + gg) * bpad + j]), v, acc[gg]);
+      for (int gg = 0; gg < GG; ++gg) acc[gg] = vfma(vset1(pt[int64_t(j) * Gp + g0 + gg]), v, acc[gg]);
     }
     for (int gg = 0; gg < GG; ++gg) vstore(o + int64_t(g0 + gg) * D + d, acc[gg]);
   }
+}
+
+// The scores of keys j0 .. j0 + 7 for one query head: per key an 8-lane FMA chain over d, then the
+// fixed hsum tree; keys at kf + j * kstride (lanes past the block's valid keys read key 0 and are
+// unused). A V8 over the eight keys.
+static inline V8 scores8(const float* q, const float* kf, int64_t kstride, int n, int j0, int D, float scale) {
+  const float* kj[8];
+  for (int jj = 0; jj < 8; ++jj) kj[jj] = kf + (j0 + jj < n ? j0 + jj : 0) * kstride;
+  V8 acc[8];
+  for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
+  for (int d = 0; d < D; d += 8) {
+    const V8 qv = vload(q + d);
+    for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kj[jj] + d), acc[jj]);
+  }
+  return vmul(hsum8(acc), vset1(scale));
 }
 
 #if defined(TONP_AVX512)
@@ -65,8 +87,8 @@ static inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> fp32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 template <int GG, int DV, typename T>
-static inline void pv_heads16(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
-                              int D, int bpad, int g0, int d) {
+static inline void pv_heads16(float* o, const float* pt, int Gp, const float* alpha, const T* vb, int64_t pos_stride,
+                              int n, int D, int g0, int d) {
   __m512 acc[DV][GG];
   _Pragma("GCC unroll 8") for (int gg = 0; gg < GG; ++gg) {
     const __m512 al = _mm512_set1_ps(alpha[g0 + gg]);
@@ -75,8 +97,9 @@ static inline void pv_heads16(float* o, const float* sc, const float* alpha, con
   for (int j = 0; j < n; ++j) {
     __m512 v[DV];
     for (int u = 0; u < DV; ++u) v[u] = load16(vb + j * pos_stride + d + 16 * u);
+    const float* pj = pt + int64_t(j) * Gp + g0;
     _Pragma("GCC unroll 8") for (int gg = 0; gg < GG; ++gg) {
-      const __m512 p = _mm512_set1_ps(sc[int64_t(g0 + gg) * bpad + j]);
+      const __m512 p = _mm512_set1_ps(pj[gg]);
       for (int u = 0; u < DV; ++u) acc[u][gg] = _mm512_fmadd_ps(p, v[u], acc[u][gg]);
     }
   }
@@ -84,16 +107,16 @@ static inline void pv_heads16(float* o, const float* sc, const float* alpha, con
     for (int u = 0; u < DV; ++u) _mm512_storeu_ps(o + int64_t(g0 + gg) * D + d + 16 * u, acc[u][gg]);
 }
 template <int GG, typename T>
-static inline void pv_heads_zmm(float* o, const float* sc, const float* alpha, const T* vb, int64_t pos_stride, int n,
-                                int D, int bpad, int g0) {
+static inline void pv_heads_zmm(float* o, const float* pt, int Gp, const float* alpha, const T* vb, int64_t pos_stride,
+                                int n, int D, int g0) {
   int d = 0;
-  for (; d + 32 <= D; d += 32) pv_heads16<GG, 2, T>(o, sc, alpha, vb, pos_stride, n, D, bpad, g0, d);
-  for (; d + 16 <= D; d += 16) pv_heads16<GG, 1, T>(o, sc, alpha, vb, pos_stride, n, D, bpad, g0, d);
-  if (d < D) pv_heads<GG, T>(o + d, sc, alpha, vb + d, pos_stride, n, D, bpad, g0, D - d);
+  for (; d + 32 <= D; d += 32) pv_heads16<GG, 2, T>(o, pt, Gp, alpha, vb, pos_stride, n, D, g0, d);
+  for (; d + 16 <= D; d += 16) pv_heads16<GG, 1, T>(o, pt, Gp, alpha, vb, pos_stride, n, D, g0, d);
+  if (d < D) pv_heads<GG, T>(o + d, pt, Gp, alpha, vb + d, pos_stride, n, D, g0, D - d);
 }
-// A block's keys in pairs for zmm_scores: pair p (keys 2p and 2p + 1) at kp + 2 p D, each eight-d
+// A block's keys in pairs for zmm_scores8: pair p (keys 2p and 2p + 1) at kp + 2 p D, each eight-d
 // step of key 2p followed by the same step of key 2p + 1 (bf16 widened, exact); keys from n to
-// the next multiple of 8 copy key 0, as the V8 scores read it there (their scores are unused).
+// the next multiple of 8 copy key 0, as scores8 reads it there (their scores are unused).
 template <typename T>
 static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int D, float* kp) {
   const int n8 = (n + 7) / 8 * 8;
@@ -103,10 +126,9 @@ static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int D, floa
     for (int d = 0; d < D; d += 8) vstore(dst + 2 * d, vload(src + d));
   }
 }
-// The scores of keys j0 .. j0 + 7 of one query head from pair_keys: key 2p's eight-lane chain in
-// the low half of acc[p], key 2p + 1's in the high half, q's eight d's in both; then the V8
-// hsum tree over the eight keys' lane vectors, as the V8 scores close them.
-static inline void zmm_scores8(const float* q, const float* kp, int D, float scale, float* s) {
+// scores8 from pair_keys (kp: keys j0's pair): key 2p's eight-lane chain in the low half of
+// acc[p], key 2p + 1's in the high half, q's eight d's in both; then the same hsum tree.
+static inline V8 zmm_scores8(const float* q, const float* kp, int D, float scale) {
   __m512 acc[4];
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 8) {
@@ -118,73 +140,68 @@ static inline void zmm_scores8(const float* q, const float* kp, int D, float sca
     a8[2 * p] = {_mm512_castps512_ps256(acc[p])};
     a8[2 * p + 1] = {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1))};
   }
-  vstore(s, vmul(hsum8(a8), vset1(scale)));
+  return vmul(hsum8(a8), vset1(scale));
 }
 #endif
 
 template <typename T>
 static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block, float scale, float* scratch) {
-  const int bpad = (block + 7) / 8 * 8;
+  const int bpad = (block + 7) / 8 * 8, Gp = (G + 7) / 8 * 8;
   const int64_t hfl = tonp::attn_head_floats(G, D, block);
-  float* kw = scratch + heads * hfl;    // [block, D] bf16 keys: the block's keys widened to fp32
-  // Head h's state at scratch + h * hfl: scores [G, bpad] (then probabilities), running outputs
-  // [G, D], running max, running sum, and this block's rescale [G] each.
+  float* kw = scratch + heads * hfl;  // [bpad, D] the block's keys as the scores read them (bf16 widened)
+  // Head h's state at scratch + h * hfl: scores, then probabilities [bpad, Gp] (transposed); the
+  // running outputs [G, D]; the running max, running sum and this block's rescale [Gp] each.
+  auto state = [&](int h, float*& pt, float*& o, float*& m, float*& l, float*& alpha) {
+    pt = scratch + h * hfl;
+    o = pt + int64_t(bpad) * Gp;
+    m = o + int64_t(G) * D;
+    l = m + Gp;
+    alpha = l + Gp;
+  };
   for (int h = 0; h < heads; ++h) {
-    float* o = scratch + h * hfl + int64_t(G) * bpad;
-    float* m = o + int64_t(G) * D;
-    for (int g = 0; g < G; ++g) {
-      m[g] = -INFINITY;
-      m[G + g] = 0.f;
-      for (int d = 0; d < D; ++d) o[g * D + d] = 0.f;
-    }
+    float *pt, *o, *m, *l, *alpha;
+    state(h, pt, o, m, l, alpha);
+    for (int g = 0; g < Gp; ++g) m[g] = -INFINITY, l[g] = 0.f;
+    for (int64_t i = 0; i < int64_t(G) * D; ++i) o[i] = 0.f;
   }
   const int64_t nblocks = a0.pos / block + 1;
   const bool fetch = a0.pages || !std::is_same_v<T, float>;  // the next block's rows (below)
   for (int64_t b = 0; b < nblocks; ++b)
     for (int h = 0; h < heads; ++h) {
-      float* sc = scratch + h * hfl;
-      float* o = sc + int64_t(G) * bpad;
-      float* m = o + int64_t(G) * D;
-      float* l = m + G;
-      float* alpha = l + G;
-      AttnQuery a = a0;
-      a.q += int64_t(h) * G * D;
-      a.k_base = static_cast<const T*>(a0.k_base) + int64_t(h) * D;
-      a.v_base = static_cast<const T*>(a0.v_base) + int64_t(h) * D;
-      const int n = int(a.pos + 1 - b * block < block ? a.pos + 1 - b * block : block);
-      const int64_t off = a.pages ? int64_t(a.pages[b]) * a.page_stride : b * block * a.pos_stride;
-      const T* kb = static_cast<const T*>(a.k_base) + off;
-      const T* vb = static_cast<const T*>(a.v_base) + off;
-      // The keys the G heads' score chains read: bf16 keys widened to fp32 once a block (exact: the
-      // same operands), not once a head. Intel Xeon (family 6, model 167), 2 threads, 32 query and 4
-      // KV heads of 128, paged bf16 caches, against widening per head, alternated in one process,
-      // outputs equal: decode at batch 1 / 16, context 1024 and 4096, 1.00-1.16x.
+      float *pt, *o, *m, *l, *alpha;
+      state(h, pt, o, m, l, alpha);
+      const int64_t hoff = int64_t(h) * D;  // this KV head's slice of a position
+      const float* qh = a0.q + int64_t(h) * G * D;
+      const int n = int(a0.pos + 1 - b * block < block ? a0.pos + 1 - b * block : block);
+      const int64_t off = (a0.pages ? int64_t(a0.pages[b]) * a0.page_stride : b * block * a0.pos_stride) + hoff;
+      const T* kb = static_cast<const T*>(a0.k_base) + off;
+      const T* vb = static_cast<const T*>(a0.v_base) + off;
+      // The keys the G heads' score chains read: bf16 widened to fp32 once a block, not once a
+      // head (exact: the same operands); on the AVX-512 build in pairs for its zmm chains.
       const float* kf;
       int64_t kstride;
 #if defined(TONP_AVX512)
-      pair_keys(kb, a.pos_stride, n, D, kw);  // the zmm scores' pairs (fp32 keys copied)
+      pair_keys(kb, a0.pos_stride, n, D, kw);
       kf = kw, kstride = D;
 #else
       if constexpr (std::is_same_v<T, uint16_t>) {
         for (int j = 0; j < n; ++j)
-          for (int d = 0; d < D; d += 8) vstore(kw + int64_t(j) * D + d, vload(kb + j * a.pos_stride + d));
+          for (int d = 0; d < D; d += 8) vstore(kw + int64_t(j) * D + d, vload(kb + j * a0.pos_stride + d));
         kf = kw, kstride = D;
       } else {
-        kf = kb, kstride = a.pos_stride;
+        kf = kb, kstride = a0.pos_stride;
       }
 #endif
-      // The next block's K and V rows (this head's slice of each position: D elements a key, a
-      // cache row apart) fetched into L2 while this block computes, spread over its score
-      // iterations: the rows are short runs far apart, which the hardware prefetchers do not follow
-      // (perf had put a quarter of a bf16 decode's time on the first load of each K row). Hints only
-      // (integer addresses, no arithmetic). Same machine and shapes, against none: paged decode bf16
-      // 1.12-1.65x (batch 16, context 4096: 538 -> 885 tok/s), fp32 0.92-1.20x; the varlen prefill
-      // (1024 and 2048 tokens) bf16 1.04-1.13x, fp32 0.92-0.95x, so an fp32 varlen call fetches none.
+      // The next block's K and V rows of this head fetched into L2 while this block computes,
+      // spread over its score iterations: a head's slice of each position is a short run a cache
+      // row from the next, which the hardware prefetchers do not follow (hints only: integer
+      // addresses, no arithmetic). Not on an fp32 varlen call, whose keys the queries before
+      // had read (measured there a loss: docs/performance.md).
       const int64_t bn = b + 1;
-      const int nn = bn < nblocks && fetch ? int(a.pos + 1 - bn * block < block ? a.pos + 1 - bn * block : block) : 0;
-      const int64_t offn = nn ? (a.pages ? int64_t(a.pages[bn]) * a.page_stride : bn * block * a.pos_stride) : 0;
-      const uintptr_t kn = reinterpret_cast<uintptr_t>(a.k_base) + sizeof(T) * uintptr_t(offn);
-      const uintptr_t vn = reinterpret_cast<uintptr_t>(a.v_base) + sizeof(T) * uintptr_t(offn);
+      const int nn = bn < nblocks && fetch ? int(a0.pos + 1 - bn * block < block ? a0.pos + 1 - bn * block : block) : 0;
+      const int64_t offn = nn ? (a0.pages ? int64_t(a0.pages[bn]) * a0.page_stride : bn * block * a0.pos_stride) + hoff : 0;
+      const uintptr_t kn = reinterpret_cast<uintptr_t>(a0.k_base) + sizeof(T) * uintptr_t(offn);
+      const uintptr_t vn = reinterpret_cast<uintptr_t>(a0.v_base) + sizeof(T) * uintptr_t(offn);
       const int iters = G * ((n + 7) / 8);
       int it = 0;
       auto fetch_next = [&]() {
@@ -192,59 +209,64 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
         const int j1 = int(int64_t(it + 1) * nn / iters);
         for (int j = int(int64_t(it) * nn / iters); j < j1; ++j)
           for (int64_t by = 0; by < int64_t(sizeof(T)) * D; by += 64) {
-            const uintptr_t row = sizeof(T) * uintptr_t(j * a.pos_stride) + uintptr_t(by);
+            const uintptr_t row = sizeof(T) * uintptr_t(j * a0.pos_stride) + uintptr_t(by);
             __builtin_prefetch(reinterpret_cast<const void*>(kn + row), 0, 2);
             __builtin_prefetch(reinterpret_cast<const void*>(vn + row), 0, 2);
           }
         ++it;
       };
-      for (int g = 0; g < G; ++g) {
-        const float* q = a.q + int64_t(g) * D;
-        float* s = sc + int64_t(g) * bpad;
-        // Scores: per key an 8-lane FMA chain over d, then the fixed hsum tree. Eight keys at a
-        // time (independent chains); lanes past the block's valid keys read key 0 and are unused.
+      // Scores, eight keys by eight query heads at a time, stored transposed.
+      for (int g0 = 0; g0 < Gp; g0 += 8)
         for (int j0 = 0; j0 < n; j0 += 8) {
-          fetch_next();
+          V8 sg[8];
+          for (int gg = 0; gg < 8; ++gg) {
+            if (g0 + gg >= G) {
+              sg[gg] = vzero();
+              continue;
+            }
+            fetch_next();
+            const float* q = qh + int64_t(g0 + gg) * D;
 #if defined(TONP_AVX512)
-          zmm_scores8(q, kf + int64_t(j0) * D, D, scale, s + j0);
-          continue;
+            sg[gg] = zmm_scores8(q, kf + int64_t(j0) * D, D, scale);
+#else
+            sg[gg] = scores8(q, kf, kstride, n, j0, D, scale);
 #endif
-          const float* kj[8];
-          for (int jj = 0; jj < 8; ++jj) kj[jj] = kf + (j0 + jj < n ? j0 + jj : 0) * kstride;
-          V8 acc[8];
-          for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
-          for (int d = 0; d < D; d += 8) {
-            const V8 qv = vload(q + d);
-            for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kj[jj] + d), acc[jj]);
           }
-          vstore(s + j0, vmul(hsum8(acc), vset1(scale)));
+          transpose8(sg);  // sg[jj]: key j0 + jj's scores of the eight heads
+          for (int jj = 0; jj < 8; ++jj) vstore(pt + int64_t(j0 + jj) * Gp + g0, sg[jj]);
         }
-        float mb = s[0];
-        for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
-        const float m_new = mb > m[g] ? mb : m[g];
-        alpha[g] = m[g] == -INFINITY ? 0.f : sexp(m[g] - m_new);
-        for (int j0 = 0; j0 < n; j0 += 8) vstore(s + j0, vexp(vsub(vload(s + j0), vset1(m_new))));
-        float lg = l[g] * alpha[g];
-        for (int j = 0; j < n; ++j) lg = lg + s[j];
-        l[g] = lg;
-        m[g] = m_new;
+      // The online softmax of eight heads a lane each: the block's max, the new running max, the
+      // rescale of the running output, the probabilities, and the running sum as a sequential
+      // chain over the keys in order.
+      for (int g0 = 0; g0 < Gp; g0 += 8) {
+        V8 mb = vload(pt + g0);
+        for (int j = 1; j < n; ++j) mb = vmax(vload(pt + int64_t(j) * Gp + g0), mb);  // s[j] > mb ? s[j] : mb
+        const V8 mo = vload(m + g0), mn = vmax(mb, mo);                             // mb > m ? mb : m
+        const V8 al = vsel_eq(mo, vset1(-INFINITY), vzero(), vexp(vsub(mo, mn)));  // m = -inf: 0
+        V8 lg = vmul(vload(l + g0), al);
+        for (int j = 0; j < n; ++j) {
+          const V8 p = vexp(vsub(vload(pt + int64_t(j) * Gp + g0), mn));
+          vstore(pt + int64_t(j) * Gp + g0, p);
+          lg = vadd(lg, p);
+        }
+        vstore(l + g0, lg);
+        vstore(m + g0, mn);
+        vstore(alpha + g0, al);
       }
-      // P.V: per output element (g, d) a sequential FMA chain over the block's keys in order,
-      // starting from the rescaled running output; the G heads run side by side.
       int g = 0;
 #if defined(TONP_AVX512)
-      for (; g + 8 <= G; g += 8) pv_heads_zmm<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-      for (; g + 4 <= G; g += 4) pv_heads_zmm<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
-      for (; g < G; ++g) pv_heads_zmm<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g);
+      for (; g + 8 <= G; g += 8) pv_heads_zmm<8, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g);
+      for (; g + 4 <= G; g += 4) pv_heads_zmm<4, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g);
+      for (; g < G; ++g) pv_heads_zmm<1, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g);
 #else
-      for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
-      for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
-      for (; g < G; ++g) pv_heads<1, T>(o, sc, alpha, vb, a.pos_stride, n, D, bpad, g, D);
+      for (; g + 8 <= G; g += 8) pv_heads<8, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g, D);
+      for (; g + 4 <= G; g += 4) pv_heads<4, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g, D);
+      for (; g < G; ++g) pv_heads<1, T>(o, pt, Gp, alpha, vb, a0.pos_stride, n, D, g, D);
 #endif
     }
   for (int h = 0; h < heads; ++h) {
-    const float* o = scratch + h * hfl + int64_t(G) * bpad;
-    const float* l = o + int64_t(G) * D + G;
+    float *pt, *o, *m, *l, *alpha;
+    state(h, pt, o, m, l, alpha);
     float* out = a0.out + int64_t(h) * G * D;
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; d += 8) vstore(out + int64_t(g) * D + d, vdiv(vload(o + int64_t(g) * D + d), vset1(l[g])));
