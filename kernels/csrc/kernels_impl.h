@@ -126,21 +126,31 @@ static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int D, floa
     for (int d = 0; d < D; d += 8) vstore(dst + 2 * d, vload(src + d));
   }
 }
-// scores8 from pair_keys (kp: keys j0's pair): key 2p's eight-lane chain in the low half of
-// acc[p], key 2p + 1's in the high half, q's eight d's in both; then the same hsum tree.
-static inline V8 zmm_scores8(const float* q, const float* kp, int D, float scale) {
-  __m512 acc[4];
-  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 8) {
-    const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + d))));  // AVX512F
-    for (int p = 0; p < 4; ++p) acc[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp + int64_t(p) * 2 * D + 2 * d), acc[p]);
+// scores8 from pair_keys (kp: keys j0's pair) for NQ query heads at once (q, q + D, ...): key 2p's
+// eight-lane chain in the low half of acc[h][p], key 2p + 1's in the high half, q's eight d's in
+// both; then the same hsum tree. Two heads give eight independent chains, enough to cover the
+// FMA's latency (four were bound by it).
+template <int NQ>
+static inline void zmm_scores8(const float* q, const float* kp, int64_t D, float scale, V8* out) {
+  __m512 acc[NQ][4];
+  for (int h = 0; h < NQ; ++h)
+    for (int p = 0; p < 4; ++p) acc[h][p] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 k[4];
+    for (int p = 0; p < 4; ++p) k[p] = _mm512_loadu_ps(kp + p * 2 * D + 2 * d);
+    for (int h = 0; h < NQ; ++h) {
+      const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + h * D + d))));
+      for (int p = 0; p < 4; ++p) acc[h][p] = _mm512_fmadd_ps(qv, k[p], acc[h][p]);
+    }
   }
-  V8 a8[8];
-  for (int p = 0; p < 4; ++p) {
-    a8[2 * p] = {_mm512_castps512_ps256(acc[p])};
-    a8[2 * p + 1] = {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1))};
+  for (int h = 0; h < NQ; ++h) {
+    V8 a8[8];
+    for (int p = 0; p < 4; ++p) {
+      a8[2 * p] = {_mm512_castps512_ps256(acc[h][p])};
+      a8[2 * p + 1] = {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][p]), 1))};
+    }
+    out[h] = vmul(hsum8(a8), vset1(scale));
   }
-  return vmul(hsum8(a8), vset1(scale));
 }
 #endif
 
@@ -227,7 +237,13 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
             fetch_next();
             const float* q = qh + int64_t(g0 + gg) * D;
 #if defined(TONP_AVX512)
-            sg[gg] = zmm_scores8(q, kf + int64_t(j0) * D, D, scale);
+            if (gg + 1 < 8 && g0 + gg + 1 < G) {  // two heads at once
+              fetch_next();
+              zmm_scores8<2>(q, kf + int64_t(j0) * D, D, scale, sg + gg);
+              ++gg;
+            } else {
+              zmm_scores8<1>(q, kf + int64_t(j0) * D, D, scale, sg + gg);
+            }
 #else
             sg[gg] = scores8(q, kf, kstride, n, j0, D, scale);
 #endif
