@@ -115,3 +115,18 @@ def test_weight_groups_are_made_on_huge_pages(dtype):
         assert tk.isa() == "portable" or (tk.isa() == "avx2" and dtype == torch.bfloat16)
         pytest.skip(f"the {tk.isa()} build reads no {dtype} weight groups")
     assert _aligned(g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_keeps_its_pages_on_huge_pages(dtype):
+    """Decode reads a sequence's pages scattered, a head's slice of each position a cache row
+    apart: each layer's K and V pages of 4 MB or more live 2 MB aligned, zeroed, with the cache's
+    shape and dtype; a pipeline stage's empty layers stay as they are."""
+    from tonp_models.layers.kv_cache import PagedKVCache
+    cache = PagedKVCache(3, 4, 128, page_size=64, num_pages=64, max_seqs=4, max_seq_len=1024,
+                         dtype=dtype, layers=(0, 2))      # 64 pages x 64 KB (fp32): 4 MB a layer
+    for layer in (0, 2):
+        for t in (cache.k[layer], cache.v[layer]):
+            assert _aligned(t) and t.is_contiguous() and t.dtype == dtype
+            assert t.shape == (64, 64, 4, 128) and not bool(t.any())
+    assert cache.k[1].shape == (0, 64, 4, 128)
