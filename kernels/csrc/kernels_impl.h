@@ -114,16 +114,26 @@ static inline void pv_heads_zmm(float* o, const float* pt, int Gp, const float* 
   for (; d + 16 <= D; d += 16) pv_heads16<GG, 1, T>(o, pt, Gp, alpha, vb, pos_stride, n, D, g0, d);
   if (d < D) pv_heads<GG, T>(o + d, pt, Gp, alpha, vb + d, pos_stride, n, D, g0, D - d);
 }
+// Eight d's of keys a and b side by side in one zmm (bf16 widened: exact).
+static inline __m512 pair8(const float* a, const float* b) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+static inline __m512 pair8(const uint16_t* a, const uint16_t* b) {
+  const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+}
 // A block's keys in pairs for zmm_scores8: pair p (keys 2p and 2p + 1) at kp + 2 p D, each eight-d
-// step of key 2p followed by the same step of key 2p + 1 (bf16 widened, exact); keys from n to
-// the next multiple of 8 copy key 0, as scores8 reads it there (their scores are unused).
+// step of key 2p followed by the same step of key 2p + 1; keys from n to the next multiple of 8
+// copy key 0, as scores8 reads it there (their scores are unused).
 template <typename T>
-static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int D, float* kp) {
+static inline void pair_keys(const T* kb, int64_t pos_stride, int n, int64_t D, float* kp) {
   const int n8 = (n + 7) / 8 * 8;
-  for (int j = 0; j < n8; ++j) {
-    const T* src = kb + (j < n ? j : 0) * pos_stride;
-    float* dst = kp + int64_t(j / 2) * 2 * D + (j % 2) * 8;
-    for (int d = 0; d < D; d += 8) vstore(dst + 2 * d, vload(src + d));
+  for (int j = 0; j < n8; j += 2, kp += 2 * D) {
+    const T* a = kb + int64_t(j < n ? j : 0) * pos_stride;
+    const T* b = kb + int64_t(j + 1 < n ? j + 1 : 0) * pos_stride;
+    for (int64_t d = 0; d < D; d += 8) _mm512_storeu_ps(kp + 2 * d, pair8(a + d, b + d));
   }
 }
 // scores8 from pair_keys (kp: keys j0's pair) for NQ query heads at once (q, q + D, ...): key 2p's
