@@ -70,11 +70,8 @@ class PagedKVCache:
         held = set(self.layers)
 
         # A layer's pages on 2 MB pages where the system grants them (tk.on_huge_pages; CPU
-        # tensors of 4 MB or more): decode reads each sequence's pages scattered, a head's slice
-        # of every position a cache row apart, one TLB entry per 2 MB instead of 512. On the Intel
-        # Xeon (family 6, model 167), 2 threads, attention_paged (32 query and 4 KV heads of 128)
-        # against plain pages, alternated in one process: batch 1-64 at context 4096 1.09-1.17x,
-        # at 1024 1.00-1.12x (bf16 and fp32), the same bits.
+        # tensors of 4 MB or more): decode reads each sequence's pages scattered, one TLB entry
+        # per 2 MB instead of 512 (docs/performance.md, paged attention). The same bits.
         def pages(layer):
             n = num_pages if layer in held else 0
             return tk.on_huge_pages(torch.zeros((n, page_size, kv_heads, head_dim), dtype=dtype, device=device))
