@@ -1,6 +1,6 @@
 // The torch-facing side of the tonp kernels (linear, norms, attention, RoPE; the vocabulary ops
 // are in vocab_ops.cpp, MoE in moe_ops.cpp): argument checks, allocation and threading.
-// Threads only ever receive whole outputs (row blocks x weight panels, (query, KV head) pairs,
+// Threads only ever receive whole outputs (row blocks x weight panels, a query's KV heads (one or all),
 // rows); every reduction runs inside one call of a kernel from the ISA table, in an order fixed
 // by the weight shape and the row's own sequence. So the bits of a row depend on neither M, nor
 // the row's slot, nor the thread count.
