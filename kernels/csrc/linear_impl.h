@@ -201,7 +201,8 @@ static inline void dot_row_panel(const float* x, const T* w, int64_t ldw, int64_
   }
 }
 
-#include "linear_lanes.h"  // the lane passes: pack_lanes, the lane tiles, linear_rows_blocked, store_rows
+#include "linear_finish.h"  // store_rows; the lane passes' finish (finish_rows_c, finish_panels)
+#include "linear_lanes.h"  // the lane passes: pack_lanes, the lane tiles, linear_rows_blocked
                             // (and linear_streamed.h, the AVX2 and portable builds' streamed blocks)
 
 // The dot products (bf16 weights are widened to fp32 as they are loaded, exactly, so they cost half
