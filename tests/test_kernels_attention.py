@@ -16,7 +16,7 @@ import tonp_kernels as tk
 from tonp_kernels import reference
 from tonp_models.engine import PageAllocator
 from tonp_models.layers.kv_cache import PagedKVCache
-from conftest import DTYPES, assert_bitwise, assert_close, check_thread_invariance, randn
+from conftest import DTYPES, assert_bitwise, assert_close, check_thread_invariance, env, randn
 
 HQ, HKV = 8, 2  # GQA: 4 query heads per key-value head
 GARBAGE = 1e3   # unwritten cache rows hold large values: a kernel that reads them shows it
@@ -172,6 +172,37 @@ def test_decode_through_the_paged_kv_cache_object(gen):
         full = tk.attention_varlen(q, k, v, torch.tensor([0, lengths[i]]), scale=D ** -0.5,
                                    block=B)
         assert_bitwise(torch.cat(outs[i]), full, f"sequence {i} via PagedKVCache")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,D", [(16, 2, 128), (6, 2, 40), (4, 4, 24)])
+def test_head_groups_and_widths_keep_the_portable_builds_bits(hq, hkv, D, dtype, gen):
+    """G = 8 query heads a KV head (the softmax's eight head lanes full), 3 (padded) and 1; head_dim
+    128, 40 and 24 (the AVX-512 build's sixteen-wide P.V with an eight-wide tail). Decode one
+    query at a time (a task per KV head) equals the full pass (a task per query, all its heads),
+    and this build equals the portable one on both."""
+    L, B = 45, 16
+    q = randn(L, hq, D, dtype=dtype, gen=gen)
+    k, v = (randn(L, hkv, D, dtype=dtype, gen=gen) for _ in range(2))
+    P = -(-L // B)
+    order = torch.randperm(P, generator=gen)
+    kc, vc = (randn(P, B, hkv, D, dtype=dtype, gen=gen, scale=GARBAGE) for _ in range(2))
+    for t in range(L):
+        kc[order[t // B], t % B], vc[order[t // B], t % B] = k[t], v[t]
+    table = order[None].to(torch.int32)
+
+    def paths():
+        full = tk.attention_varlen(q, k, v, torch.tensor([0, L]), scale=D ** -0.5, block=B)
+        steps = torch.cat([tk.attention_paged(q[t:t + 1], kc, vc, table, torch.zeros(1, dtype=torch.int32),
+                                              torch.tensor([t]), scale=D ** -0.5) for t in range(L)])
+        return full, steps
+
+    full, steps = paths()
+    assert_bitwise(steps, full, f"decode vs full pass, G={hq // hkv} D={D} {dtype}")
+    with env("TONP_FORCE_PORTABLE", "1"):
+        assert tk.isa() == "portable"
+        portable = paths()
+    assert_bitwise((full, steps), portable, f"{tk.isa()} vs portable, G={hq // hkv} D={D} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
