@@ -161,13 +161,14 @@ def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
     for out in (torch.float32, torch.bfloat16):
         want = pair_linear_reference(x, w, bias, out_dtype=out)
         # dot products (vdpbf16ps: row tiles of 8, 6, 4, 2 rows two per zmm, a last odd row of 3,
-        # 5 or 7 paired with a zero row, a lone one (1, 9, 17 ...) alone;
-        # emulated: tiles of 2 rows and an odd one over four columns at a time, sharing the
-        # fetch of the next four; one row 8 columns wide), lane passes (on vdpbf16ps from 48 rows,
-        # from 24 when kc <= 96: tiles of 3 and 2 rows over pairs of 16-column groups, an odd
-        # group over tiles of 5 and 4; 97 and 98 end on a 96-row block and a block of one or two
-        # rows; emulated from 20)
-        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 97, 98):
+        # 5 or 7 paired with a zero row, a lone one (1, 9, 17 ...) alone; on Intel the tiles of
+        # two pairs or more on FMAs; emulated: tiles of 2 rows and an odd one over four columns
+        # at a time, sharing the fetch of the next four; one row 8 columns wide), lane passes (on
+        # vdpbf16ps from 48 rows, from 24 when kc <= 96: tiles of 3 and 2 rows over pairs of
+        # 16-column groups, an odd group over tiles of 5 and 4; on Intel from 64 rows on FMAs,
+        # tiles of up to 6 rows over 32-column slabs, an odd group over tiles of up to 8; 97 and
+        # 98 end on a 96-row block and a block of one or two rows; emulated from 20)
+        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 63, 64, 65, 97, 98):
             got = tk.linear(x[:M], w, bias, out_dtype=out)
             assert torch.equal(_bits(got), _bits(want[:M])), f"M={M} out={out}"
 
@@ -187,19 +188,19 @@ def _hostile(M, K, gen):
 
 @pytest.mark.parametrize("K,N", [(64, 37), (2048, 48), (40, 16)])
 def test_linear_builds_agree_on_hostile_inputs(K, N, gen):
-    x = _hostile(50, K, gen)
+    x = _hostile(70, K, gen)
     w = _hostile(N, K, gen)
     w[:, 1::2] = w[:, 0::2]
     outs = {}
     for name, (var, val) in BUILDS.items():
-        with env(var, val):
-            outs[name] = [tk.linear(x[:m], w, out_dtype=torch.float32) for m in (1, 2, 7, 30, 50)]
+        with env(var, val):  # one row, one row pair, four pairs, lane passes on every build
+            outs[name] = [tk.linear(x[:m], w, out_dtype=torch.float32) for m in (1, 2, 7, 30, 50, 70)]
     for name, got in outs.items():
         for a, b in zip(got, outs["portable"]):
             assert torch.equal(_bits(a), _bits(b)), f"{name} differs from portable"
     y = outs["native"][-1]
     assert bool(y.isnan().any()) and bool(y.isinf().any())
-    assert torch.equal(_bits(y[:1]), _bits(outs["native"][0]))          # one row = its row of 30
+    assert torch.equal(_bits(y[:1]), _bits(outs["native"][0]))          # one row = its row of 70
 
 
 def test_fp32_activations_keep_fp32_fmas(gen):

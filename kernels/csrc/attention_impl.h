@@ -164,7 +164,7 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
       // The keys the G heads' score chains read: bf16 widened to fp32 once a block, not once a
       // head (exact: the same operands); on the AVX-512 build in pairs for its zmm chains.
       const float* kf;
-      int64_t kstride;
+      [[maybe_unused]] int64_t kstride;  // the AVX-512 build reads its pairs (kw) in pair_keys order
 #if defined(TONP_AVX512)
       pair_keys(kb, a0.pos_stride, n, D, kw);
       kf = kw, kstride = D;

@@ -96,6 +96,67 @@ static inline __m512 hw_close8(const __m512* a, const __m512* b, __m512 zero) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A pair tile's chunk closed (hw_dot_tile2): its accumulators' lanes to the chunk's partials,
+// part: [2 * MP rows][NR] (each output's tree8, in zmm).
+template <int MP, int NR>
+static inline void hw_close_tile2(const __m512* acc, float* part) {
+  constexpr int NT = 2 * MP * NR;
+  if constexpr (NR == 8) {
+    // A pair's eight columns close in zmm as two halves of four (hw_close8 with the upper half
+    // in the second pair's place: the same adds), its 128-bit blocks (row 2p columns 0-3, row
+    // 2p + 1 columns 0-3, row 2p columns 4-7, row 2p + 1 columns 4-7) put in row order.
+    for (int p = 0; p < MP; ++p) {
+      const __m512 s = hw_close8(acc + p * 8, acc + p * 8 + 4, _mm512_setzero_ps());
+      _mm512_storeu_ps(part + 2 * p * 8, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+  } else if constexpr (NR == 4) {
+    // Two pairs' four columns (one pair's and zeros for an odd last pair) close in zmm: part
+    // rows 2p .. 2p + 3 are sixteen consecutive floats.
+    for (int p = 0; p < MP; p += 2) {
+      const __m512 z = _mm512_setzero_ps();
+      const __m512 s = hw_close8(acc + p * 4, p + 1 < MP ? acc + (p + 1) * 4 : nullptr, z);
+      if (p + 1 < MP) _mm512_storeu_ps(part + 2 * p * 4, s);
+      else _mm256_storeu_ps(part + 2 * p * 4, _mm512_castps512_ps256(s));
+    }
+  } else {
+    V8 av[NT];
+    for (int p = 0; p < MP; ++p)
+      for (int n = 0; n < NR; ++n) {
+        av[(2 * p) * NR + n].v = _mm512_castps512_ps256(acc[p * NR + n]);
+        av[(2 * p + 1) * NR + n].v = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p * NR + n]), 1));
+      }
+    tile_hsum<NT>(av, part);
+  }
+}
+
+// A pair tile's walk over a chunk's weight blocks (hw_dot_tile2, fma_dot_tile2): step(b, valid)
+// for each block b, the last one `valid` elements long where kc is not a multiple of 16. In
+// place, the next tile's columns fetched at each cache line of the rows (prefetch_ahead columns
+// on); on a weight group, its lines fetch_bytes on.
+template <int NR, class Step>
+static inline void pair_tile_blocks(const uint16_t* wc, WeightWalk ww, int64_t kc, int64_t prefetch_ahead,
+                                    int64_t fetch_bytes, Step&& step) {
+  const int64_t full = kc / 16;  // whole weight blocks; a last partial one is read masked
+  int64_t b = 0;
+  for (; b + 2 <= full; b += 2) {  // two blocks: one cache line of each weight row in place
+    if (prefetch_ahead)  // integer addresses (never faults)
+      for (int n = 0; n < NR; ++n)
+        prefetch_w(reinterpret_cast<uintptr_t>(wc) + 2 * uintptr_t((n + prefetch_ahead) * ww.ln + b * ww.lb));
+    if (fetch_bytes)  // a group: the two blocks' lines, fetch_bytes on
+      for (int64_t j = 0; j < 4 * ww.lb; j += 64) prefetch_w(reinterpret_cast<uintptr_t>(wc + b * ww.lb) + uintptr_t(fetch_bytes + j));
+    step(b, 16);
+    step(b + 1, 16);
+  }
+  for (; b < full; ++b) step(b, 16);
+  if (full * 16 < kc) step(full, kc - full * 16);
+}
+
+// A column's weight block (16 bf16 at q, zero past valid) in both halves of a zmm.
+static inline __m512i pair_tile_weights(const uint16_t* q, int64_t valid) {
+  return valid >= 16 ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)))
+                     : _mm512_broadcast_i64x4(hw_block16(q, valid));
+}
+
 // The same outputs for 2 * MP rows, two rows per zmm: lanes 0-7 hold row 2p's eight lanes of an
 // output, lanes 8-15 row 2p + 1's, the weight block broadcast to both halves. vdpbf16ps is
 // lane-wise, so each output's lanes see exactly the ymm tile's steps, in the same block order,
@@ -118,7 +179,6 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
                                 int chunks, float* out, int64_t ldo, int64_t prefetch_ahead, int64_t fetch_bytes = 0) {
   constexpr int MR = 2 * MP, NT = MR * NR;
   float part[tonp::kMaxChunks][NT];
-  const int64_t full = kc / 16;  // whole weight blocks; a last partial one is read masked
   for (int c = 0; c < chunks; ++c) {
     __m512 acc[MP * NR];
     for (int i = 0; i < MP * NR; ++i) acc[i] = _mm512_setzero_ps();
@@ -128,87 +188,16 @@ static inline void hw_dot_tile2(const uint16_t* xp, int64_t P, int64_t nb, const
       __m512i xv[MP];
       for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_si512(xc + (b * P + p) * 32);
       for (int n = 0; n < NR; ++n) {
-        const uint16_t* q = wc + n * ww.ln + b * ww.lb;
-        const __m512i wv = valid >= 16 ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)))
-                                       : _mm512_broadcast_i64x4(hw_block16(q, valid));
+        const __m512i wv = pair_tile_weights(wc + n * ww.ln + b * ww.lb, valid);
         for (int p = 0; p < MP; ++p)
           acc[p * NR + n] = _mm512_dpbf16_ps(acc[p * NR + n], reinterpret_cast<const __m512bh&>(xv[p]),
                                              reinterpret_cast<const __m512bh&>(wv));
       }
     };
-    int64_t b = 0;
-    for (; b + 2 <= full; b += 2) {  // two blocks: one cache line of each weight row in place
-      if (prefetch_ahead)  // integer addresses (never faults)
-        for (int n = 0; n < NR; ++n)
-          prefetch_w(reinterpret_cast<uintptr_t>(wc) + 2 * uintptr_t((n + prefetch_ahead) * ww.ln + b * ww.lb));
-      if (fetch_bytes)  // a group: the two blocks' lines, fetch_bytes on
-        for (int64_t j = 0; j < 4 * ww.lb; j += 64) prefetch_w(reinterpret_cast<uintptr_t>(wc + b * ww.lb) + uintptr_t(fetch_bytes + j));
-      step(b, 16);
-      step(b + 1, 16);
-    }
-    for (; b < full; ++b) step(b, 16);
-    if (full * 16 < kc) step(full, kc - full * 16);
-    if constexpr (NR == 8) {
-      // A pair's eight columns close in zmm as two halves of four (hw_close8 with the upper half
-      // in the second pair's place: the same adds), its 128-bit blocks (row 2p columns 0-3, row
-      // 2p + 1 columns 0-3, row 2p columns 4-7, row 2p + 1 columns 4-7) put in row order.
-      for (int p = 0; p < MP; ++p) {
-        const __m512 s = hw_close8(acc + p * 8, acc + p * 8 + 4, _mm512_setzero_ps());
-        _mm512_storeu_ps(part[c] + 2 * p * 8, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0)));
-      }
-    } else if constexpr (NR == 4) {
-      // Two pairs' four columns (one pair's and zeros for an odd last pair) close in zmm: part
-      // rows 2p .. 2p + 3 are sixteen consecutive floats.
-      for (int p = 0; p < MP; p += 2) {
-        const __m512 z = _mm512_setzero_ps();
-        const __m512 s = hw_close8(acc + p * 4, p + 1 < MP ? acc + (p + 1) * 4 : nullptr, z);
-        if (p + 1 < MP) _mm512_storeu_ps(part[c] + 2 * p * 4, s);
-        else _mm256_storeu_ps(part[c] + 2 * p * 4, _mm512_castps512_ps256(s));
-      }
-    } else {
-      V8 av[NT];
-      for (int p = 0; p < MP; ++p)
-        for (int n = 0; n < NR; ++n) {
-          av[(2 * p) * NR + n].v = _mm512_castps512_ps256(acc[p * NR + n]);
-          av[(2 * p + 1) * NR + n].v = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p * NR + n]), 1));
-        }
-      tile_hsum<NT>(av, part[c]);
-    }
+    pair_tile_blocks<NR>(wc, ww, kc, prefetch_ahead, fetch_bytes, step);
+    hw_close_tile2<MP, NR>(acc, part[c]);
   }
   tile_finish<MR, NR>(&part[0][0], chunks, out, ldo);
-}
-
-// All ncols <= kPanelPairs columns (out: [rows, kPanelPairs]): one row (x in place; MP = 0), or
-// 2 * MP rows over x in row pairs. Each tile prefetches the next tile's weight rows (the panel's
-// last tile: rows past it, the next panel's or past W). wg: these columns' weight group
-// (ncols == kGroupCols) or null, read by the one-row tile and, on Intel (kGroupFetch), by pair
-// tiles of up to kGroupPairsIntel pairs too, each walk fetching kGroupFetchBf16 bytes on.
-template <int MP, bool kGroupFetch>
-static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* xp, int64_t P, int64_t nb,
-                               const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
-                               const uint16_t* wg) {
-  constexpr int64_t ld = tonp::kPanelPairs;
-  const WeightWalk in_place = WeightWalk::in_place(ldw, kc, tonp::Elem::BF16);
-  int n = 0;
-  if constexpr (MP == 0) {
-    static_assert(tonp::kGroupCols == 8, "a weight group is one hw_dot_tile<1, 8>");
-    if (wg && ncols == tonp::kGroupCols) {
-      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WeightWalk::bf16_group(kc), kc, chunks, out, ld, 0, kGroupFetch ? kGroupFetchBf16 : 0);
-      return;
-    }
-    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 8);
-    for (; n + 4 <= ncols; n += 4) hw_dot_tile<1, 4>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
-    for (; n < ncols; ++n) hw_dot_tile<1, 1>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
-  } else {
-    if constexpr (kGroupFetch && MP <= kGroupPairsIntel) {
-      if (wg && ncols == tonp::kGroupCols) {
-        hw_dot_tile2<MP, 8>(xp, P, nb, wg, WeightWalk::bf16_group(kc), kc, chunks, out, ld, 0, kGroupFetchBf16);
-        return;
-      }
-    }
-    for (; n + 4 <= ncols; n += 4) hw_dot_tile2<MP, 4>(xp, P, nb, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
-    for (; n < ncols; ++n) hw_dot_tile2<MP, 1>(xp, P, nb, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
-  }
 }
 
 // In place: r[i] dword j <- r[j] dword i (a 16 x 16 transpose of 32-bit pairs; moves, no arithmetic).
@@ -230,6 +219,49 @@ static inline void hw_transpose16(__m512i* r) {
     t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+#include "bf16dot_fma.h"
+
+// All ncols <= kPanelPairs columns (out: [rows, kPanelPairs]): one row (x in place; MP = 0), or
+// 2 * MP rows over x in row pairs. Each tile prefetches the next tile's weight rows (the panel's
+// last tile: rows past it, the next panel's or past W). wg: these columns' weight group
+// (ncols == kGroupCols) or null, read by the one-row tile and, on Intel (kIntel), by pair
+// tiles of up to kGroupPairsIntel pairs too, each walk fetching kGroupFetchBf16 bytes on. xw: on
+// Intel the tile's pairs in fma_pack_pairs' widened copy.
+template <int MP, bool kIntel>
+static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, const uint16_t* xp, const float* xw, int64_t P,
+                               int64_t nb, const uint16_t* w, int64_t ldw, int64_t kc, int chunks, int ncols, float* out,
+                               const uint16_t* wg) {
+  constexpr int64_t ld = tonp::kPanelPairs;
+  const WeightWalk in_place = WeightWalk::in_place(ldw, kc, tonp::Elem::BF16);
+  int n = 0;
+  if constexpr (MP == 0) {
+    static_assert(tonp::kGroupCols == 8, "a weight group is one hw_dot_tile<1, 8>");
+    if (wg && ncols == tonp::kGroupCols) {
+      hw_dot_tile<1, 8>(x, ldx, xkc, wg, WeightWalk::bf16_group(kc), kc, chunks, out, ld, 0, kIntel ? kGroupFetchBf16 : 0);
+      return;
+    }
+    for (; n + 8 <= ncols; n += 8) hw_dot_tile<1, 8>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 8);
+    for (; n + 4 <= ncols; n += 4) hw_dot_tile<1, 4>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 4);
+    for (; n < ncols; ++n) hw_dot_tile<1, 1>(x, ldx, xkc, w + n * ldw, in_place, kc, chunks, out + n, ld, 0);
+  } else {
+    // On Intel, from two row pairs, the FMA tiles over the widened copy of x (xw); one pair
+    // stays on the instruction (the FMA tile ran it 0.85-0.92x at K = 768-2048, hot weights: a
+    // weight block's widening weighs as much as its two FMAs there).
+    auto tile = [&](auto nr, const uint16_t* wn, WeightWalk walk, int64_t ahead, int64_t fetch, float* o) {
+      if constexpr (kIntel && MP >= 2) fma_dot_tile2<MP, nr()>(xw, P, nb, wn, walk, kc, chunks, o, ld, ahead, fetch);
+      else hw_dot_tile2<MP, nr()>(xp, P, nb, wn, walk, kc, chunks, o, ld, ahead, fetch);
+    };
+    if constexpr (kIntel && MP <= kGroupPairsIntel) {
+      if (wg && ncols == tonp::kGroupCols) {
+        tile(std::integral_constant<int, 8>(), wg, WeightWalk::bf16_group(kc), 0, kGroupFetchBf16, out);
+        return;
+      }
+    }
+    for (; n + 4 <= ncols; n += 4) tile(std::integral_constant<int, 4>(), w + n * ldw, in_place, 4, 0, out + n);
+    for (; n < ncols; ++n) tile(std::integral_constant<int, 1>(), w + n * ldw, in_place, 0, 0, out + n);
+  }
 }
 
 // wp[p * ldp + n] = the pair p of weight row n (elements 2p, 2p + 1 of the chunk; zero past kc
@@ -342,15 +374,20 @@ static inline void hw_pair_store(const float* res, int64_t rows, int ncols, cons
     }
 }
 
-// Many rows: the panel's weights packed once, chunk by chunk (wp: [chunks][npairs][nz x 16]),
-// then rows in blocks of kRowBlock: each chunk's lane tiles, the chunk tree, the store.
+// Many rows: the panel's weights packed once, chunk by chunk (wp: [chunks][npairs][nz x 16]
+// pairs, or with kFma [chunks][npairs][odd, even][nz x 16] fp32), then rows in blocks of
+// kRowBlock: each chunk's lane tiles (kFma: on FMAs over the block's x widened, xf), the chunk
+// tree, the store.
+template <bool kFma>
 static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W, int64_t ldw,
                             int64_t kc, int chunks, const float* bias, int ncols, void* out, int64_t ldo, Elem oelem,
                             float* pbuf, uint32_t* wp) {
   constexpr int64_t WP = tonp::kPanelPairs;
   const int64_t npairs = (kc + 15) / 16 * 8;
   const int nz = (ncols + 15) / 16;
-  const int64_t wstride = npairs * nz * 16, osz = oelem == Elem::F32 ? 4 : 2;
+  const int64_t wstride = npairs * nz * 16 * (kFma ? 2 : 1), osz = oelem == Elem::F32 ? 4 : 2;
+  float* wf = reinterpret_cast<float*>(wp);
+  float* xf = wf + chunks * wstride;  // kFma: [kRowBlock][2 npairs]
   for (int c = 0; c < chunks; ++c) {
     // Fetch the next chunk's weights while this one is packed: a pass with no arithmetic to hide
     // a miss (a hint; integer addresses, never faults).
@@ -359,40 +396,52 @@ static void hw_rows_blocked(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t
         for (int64_t k = 0; k < kc; k += 32)
           prefetch_w(reinterpret_cast<uintptr_t>(W) + 2 * uintptr_t(n * ldw + (c + 1) * kc + k));
     for (int q = 0; q < nz; ++q)
-      hw_pack_chunk(W + q * 16 * ldw + c * kc, ldw, std::min(16, ncols - 16 * q), kc, wp + c * wstride + q * 16, nz * 16);
+      if constexpr (kFma)
+        fma_pack_chunk(W + q * 16 * ldw + c * kc, ldw, std::min(16, ncols - 16 * q), kc,
+                       fma_slab(wf + c * wstride, q, npairs) + (q % 2) * 16, q / 2 * 2 + 2 <= nz ? 32 : 16);
+      else
+        hw_pack_chunk(W + q * 16 * ldw + c * kc, ldw, std::min(16, ncols - 16 * q), kc, wp + c * wstride + q * 16, nz * 16);
   }
   for (int64_t r0 = 0; r0 < rows; r0 += tonp::kRowBlock) {
     const int64_t n = std::min<int64_t>(tonp::kRowBlock, rows - r0), cstride = n * WP;
     for (int c = 0; c < chunks; ++c) {
       const uint16_t* xc = x + r0 * ldx + c * xkc;
-      const uint32_t* wc = wp + c * wstride;
       float* pc = pbuf + c * cstride;
-      hw_chunk_rows(xc, ldx, n, wc, nz, npairs, pc);
+      if constexpr (kFma) {
+        fma_widen_rows(xc, ldx, n, 2 * npairs, xf, 2 * npairs);
+        fma_chunk_rows(xf, 2 * npairs, n, wf + c * wstride, nz, npairs, pc);
+      } else {
+        hw_chunk_rows(xc, ldx, n, wp + c * wstride, nz, npairs, pc);
+      }
     }
     chunk_tree(pbuf, cstride, chunks, cstride);
     hw_pair_store(pbuf, n, ncols, bias, static_cast<char*>(out) + r0 * ldo * osz, ldo, oelem);
   }
 }
 
-// ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns). kGroupFetch (the
-// table on Intel): the tiles on a weight group prefetch along it, and pair tiles of up to
-// kGroupPairsIntel pairs read it too (hw_dot_cols).
-template <bool kGroupFetch>
+// ncols <= kPanelPairs outputs per row (the hardware build's panel: 64 columns). kIntel (the
+// table on Intel): the tiles on a weight group prefetch along it, pair tiles of up to
+// kGroupPairsIntel pairs read it too (hw_dot_cols), the pair tiles of two pairs or more and the
+// lane passes (from kLaneRowsPairsIntel rows) run on FMAs (bf16dot_fma.h), and xpairs holds
+// fma_pack_pairs' two copies.
+template <bool kIntel>
 static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                                  int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                                  int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs,
                                  const uint16_t* wgroups) {
   IeeeScope ieee;  // the trees' adds
   constexpr int64_t WP = tonp::kPanelPairs;
-  if (tonp::bf16_lane_passes(rows, kc, true)) {
+  if (tonp::bf16_lane_passes(rows, kc, true, kIntel ? tonp::kLaneRowsPairsIntel : 0)) {
     float* pbuf = scratch;
-    hw_rows_blocked(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf,
-                    reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP));
+    uint32_t* wp = reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP);
+    if constexpr (kIntel) hw_rows_blocked<true>(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf, wp);
+    else hw_rows_blocked<false>(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf, wp);
     return;
   }
   float* res = scratch;  // [rows + 1, WP]: a padded pair tile also writes its zero row
   const int64_t P = (rows + 1) / 2, nb = xkc / 16;  // xpairs: the rows in pairs (required from 2 rows)
   const uint16_t* xp = xpairs;
+  const float* xw = kIntel && xp ? reinterpret_cast<const float*>(xp) + P * chunks * xkc : nullptr;  // fma_pack_pairs' widened copy
   // Eight columns at a time (their weight rows stay in L1), every row tile over them: tiles of up
   // to 8 rows (two per zmm), so any row count streams the weights once. An odd last row of 3, 5
   // or 7 left over rides in its pair's upper half against zeros (hw_pack_pairs): its zero row's
@@ -411,13 +460,14 @@ static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, in
     // second read). On the AMD EPYC the pair tiles reading the groups (then two tiles over a
     // group's two column halves) ran the experts' stage at 128 tokens 0.6-0.7x as fast, cold, on
     // either bus.
-    const uint16_t* wg = wgroups && (rows == 1 || (kGroupFetch && rows <= 2 * kGroupPairsIntel))
+    const uint16_t* wg = wgroups && (rows == 1 || (kIntel && rows <= 2 * kGroupPairsIntel))
                              ? wgroups + (n0 / tonp::kGroupCols) * tonp::weight_group_elems(kc * chunks, chunks, tonp::Elem::BF16)
                              : nullptr;
     int64_t r = 0;
     auto tile = [&](auto mr) {
-      hw_dot_cols<mr() / 2, kGroupFetch>(x + r * ldx, ldx, xkc, xp ? xp + (r / 2) * 32 : nullptr, P, nb, w, ldw, kc, chunks, nc,
-                            res + r * WP + n0, wg);
+      hw_dot_cols<mr() / 2, kIntel>(x + r * ldx, ldx, xkc, xp ? xp + (r / 2) * 32 : nullptr,
+                                         xw ? xw + (r / 2) * 64 : nullptr, P, nb, w, ldw, kc, chunks, nc,
+                                         res + r * WP + n0, wg);
       r += mr();
     };
     while (rows - r >= 8) tile(std::integral_constant<int, 8>());

@@ -113,7 +113,10 @@ const Kernels* kernels_avx512bf16() {
     t.row_block_f32 = tonp::kRowBlockF32;
     t.linear_panel_bf16 = tonp_avx512bf16::intel_cpu() ? tonp_avx512bf16::linear_panel_bf16_hw<true>
                                                        : tonp_avx512bf16::linear_panel_bf16_hw<false>;
-    t.pack_pairs = tonp_avx512bf16::hw_pack_pairs;  // its dot products' x in row pairs
+    // Its dot products' x in row pairs; on Intel a widened copy after them too, for the FMA
+    // tiles, which also run the lane passes from kLaneRowsPairsIntel rows (bf16dot_fma.h).
+    t.pack_pairs = tonp_avx512bf16::intel_cpu() ? tonp_avx512bf16::fma_pack_pairs : tonp_avx512bf16::hw_pack_pairs;
+    t.lane_rows_bf16 = tonp_avx512bf16::intel_cpu() ? tonp::kLaneRowsPairsIntel : 0;
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
     t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1
                               : tonp_avx512bf16::intel_cpu()     ? tonp::kLinearGroupRowsIntel

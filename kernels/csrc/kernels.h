@@ -89,6 +89,13 @@ constexpr int kLaneRowsPairs = 48;  // bf16 x bf16 linear on vdpbf16ps (bf16dot_
 constexpr int kLaneRowsPairsShort = 24;  // the same for chunks of at most kShortChunk elements
 constexpr int kShortChunk = 96;  // K = 768 at C = 8: the experts' down projection
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
+// The same for the AVX-512 table on Intel, at every chunk length: there both passes run on FMAs
+// (bf16dot_fma.h), and the dot products over x in row pairs (two rows a zmm, the weights
+// streamed once) ran ahead up to 64 rows. Measured on the Intel Xeon (family 6, model 167; 2 threads, hot weights, the two alternated in one process): the dot products
+// against the lane passes at 16 / 32 / 48 / 64 / 80 / 128 rows 1.59x / 1.25x / 1.15x /
+// 1.05x / 0.94x / 0.64x at K = 2048, N = 4096; at K = 768 1.31x at 16, 1.09x at 48, 1.06x at
+// 64, level at 72-88.
+constexpr int kLaneRowsPairsIntel = 64;
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
 
@@ -144,8 +151,10 @@ inline int64_t linear_scratch(int64_t chunks, int64_t K, int64_t rows, Elem w, i
 // horizontal sum per chunk weighs more there: on Zen 4, K = 768, 2 threads, cold weights, the dot
 // products over x in row pairs ran 1.2-1.3x the lane passes at 12-16 rows, 1.07x at 20, level at
 // 24-28, 0.96x at 32); emulated from 20 (unpacking a chunk to fp32 costs the same). Measured on
-// the project's CPU; the choice never changes a bit.
-inline bool bf16_lane_passes(int64_t rows, int64_t kc, bool hw) {
+// the project's CPU; the choice never changes a bit. lane_rows: the table's
+// (Kernels::lane_rows_bf16), where it sets one, for every chunk length.
+inline bool bf16_lane_passes(int64_t rows, int64_t kc, bool hw, int lane_rows = 0) {
+  if (hw && lane_rows > 0) return rows >= lane_rows;
   return rows >= (!hw ? kLaneRowsPairsEmu : kc <= kShortChunk ? kLaneRowsPairsShort : kLaneRowsPairs);
 }
 
@@ -168,8 +177,12 @@ inline int64_t bf16_row_block(int64_t M) {
 // Whether a bf16 x bf16 linear task on the instruction runs dot products over x packed in row
 // pairs (Kernels::pack_pairs): every task that runs no lane passes. pairs_floats: the floats of
 // such a packing of `rows` rows (an odd last row is paired with zeros).
-inline bool bf16_packs_pairs(int64_t rows, int64_t kc) { return rows > 1 && !bf16_lane_passes(rows, kc, true); }
-inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc; }
+inline bool bf16_packs_pairs(int64_t rows, int64_t kc, int lane_rows) {
+  return rows > 1 && !bf16_lane_passes(rows, kc, true, lane_rows);
+}
+inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc * 5; }
+// The most rows a table's linear_panel_bf16 takes as dot products (fewer than its lane passes).
+inline int64_t bf16_pair_rows_max(int lane_rows) { return lane_rows > 0 ? lane_rows : kLaneRowsPairs; }
 
 // A weight's columns in groups: a copy laid out the way the table's tiles read it (the caller
 // owns it: Kernels::weight_groups; pack_weight_groups in ops.cpp). Only the layout differs from
@@ -236,7 +249,7 @@ struct WeightWalk {
 // (Room for rows + 1 finished rows: the dot path's pair tile of an odd last row writes its zero row.)
 inline int64_t linear_scratch_bf16(int64_t chunks, int64_t K, int64_t rows) {
   const int64_t r = rows < kRowBlock ? rows : kRowBlock, kp = bf16_chunk_stride(K / chunks);
-  return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks / 2 : 2);
+  return r * kPanelPairs * (1 + chunks) + kPanelPairs * kp * (chunks > 2 ? chunks : 2) + r * kp;
 }
 
 // An operand of the backward GEMM: element (i, j) at p + i * rs + j * cs (in elements).
@@ -355,8 +368,9 @@ struct Kernels {
   // would transpose every weight chunk again. The same bits.
   int linear_pack_rows_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
-  // products: pairs_floats(rows, chunks, xkc) floats at xp, an exact copy. Null in the tables
-  // whose linear_panel_bf16 reads x in place (the emulated builds).
+  // products: an exact copy, and on Intel a widened one after it (bf16dot_fma.h), in
+  // pairs_floats(rows, chunks, xkc) floats at xp. Null in the tables whose linear_panel_bf16
+  // reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
   // Weight groups, where they were measured to pay; elsewhere a packed copy would be memory for
   // nothing. group_rows_f32: linear_panel (fp32 weights) reads the panel's group, when given it,
@@ -413,6 +427,10 @@ struct Kernels {
   void (*amx_pack_b)(const GemmOperand& b, int64_t lines, int64_t k, int64_t s0, int64_t s1, uint16_t* dst) = nullptr;
   void (*amx_tile)(const uint16_t* ap, const uint16_t* bp, int64_t m, int64_t n, int64_t k, void* c, Elem ce,
                    int64_t ldc, bool accumulate, float* scratch) = nullptr;
+  // The row count from which linear_panel_bf16 runs lane passes at every chunk length
+  // (bf16_lane_passes); 0: the instruction's rule (kLaneRowsPairs, kLaneRowsPairsShort). The
+  // AVX-512 table on Intel kLaneRowsPairsIntel. Which path runs never changes a bit.
+  int lane_rows_bf16 = 0;
 };
 
 // The row-block cap of a tk.linear call of `rows` rows and reduction length K

@@ -180,10 +180,11 @@ class XPack {
         on_(pairs ? kern->pack_pairs && max_rows > 1
                   : (group_rows_ > 0 && max_rows >= group_rows_) || linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
         buf_(scratch_floats(!on_ ? 0
-                            : pairs ? pairs_floats(std::min<int64_t>(max_rows, kLaneRowsPairs), kc > 0 ? K / kc : 0, xkc_)
+                            : pairs ? pairs_floats(std::min<int64_t>(max_rows, bf16_pair_rows_max(kern->lane_rows_bf16)),
+                                                   kc > 0 ? K / kc : 0, xkc_)
                                     : max_rows * K)) {}
   const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
-    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_)
+    if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_, kern_->lane_rows_bf16)
                          : (group_rows_ > 0 && rows >= group_rows_) || linear_lane_passes(rows, kc_, welem_, kern_->lane_rows_f32)))
       return nullptr;
     if (block != packed_) {
