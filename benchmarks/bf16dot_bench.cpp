@@ -58,7 +58,7 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
       const int64_t mb = t / np, p = t % np, r0 = mb * rb, rows = std::min(rb, M - r0);
       const bool lanes_packed = !pairs && k->pack_lanes && linear_lane_passes(rows, kc, Elem::BF16, k->lane_rows_f32);
       if (lanes_packed && packed != mb) k->pack_lanes(xf.data() + r0 * K, K, rows, kc, chunks, xl.get()), packed = mb;
-      const bool in_pairs = pairs && k->pack_pairs && bf16_packs_pairs(rows, kc);
+      const bool in_pairs = pairs && k->pack_pairs && bf16_packs_pairs(rows, kc, k->lane_rows_bf16);
       uint16_t* xpp = reinterpret_cast<uint16_t*>(xp.get());
       if (in_pairs && paired != mb) k->pack_pairs(xb.data() + r0 * K, K, kc, rows, chunks, xpp), paired = mb;
       const int ncols = int(std::min<int64_t>(pw, N - p * pw));

@@ -313,7 +313,7 @@ int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
           const int ex = used[task / np];
           const int64_t p = task % np;
           const uint16_t* xe = x.data() + r0[ex] * K;
-          const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows[ex], kc);
+          const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows[ex], kc, t[v]->lane_rows_bf16);
           if (pairs && packed != ex) t[v]->pack_pairs(xe, K, kc, rows[ex], kChunks, xp.data()), packed = ex;
           t[v]->linear_panel_bf16(xe, K, kc, rows[ex], wh[s] + (ex * N + p * PW) * K, K, kc, kChunks, nullptr,
                                   int(PW), out[v][s].data() + r0[ex] * N + p * PW, N, Elem::BF16, scratch.data(),
@@ -336,7 +336,7 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
     std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, R) + 64);
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
     const auto s = alternated(rounds, false, [&](int v) {
-      const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(R, kc);
+      const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(R, kc, t[v]->lane_rows_bf16);
       for (int r = 0; r < reps; ++r) {
         if (pairs) t[v]->pack_pairs(x.data(), K, kc, R, kChunks, xp.data());
         for (int64_t p = 0; p < N / PW; ++p)
@@ -368,7 +368,7 @@ int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N
       int64_t packed = -1;
       for (int64_t task = b; task < e; ++task) {
         const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);
-        const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows, kc);
+        const bool pairs = t[v]->pack_pairs && tonp::bf16_packs_pairs(rows, kc, t[v]->lane_rows_bf16);
         if (pairs && packed != blk) t[v]->pack_pairs(x.data() + r0 * K, K, kc, rows, kChunks, xp.data()), packed = blk;
         t[v]->linear_panel_bf16(x.data() + r0 * K, K, kc, rows, w.data() + p * PW * K, K, kc, kChunks, nullptr,
                                 int(std::min(PW, N - p * PW)), out[v].data() + r0 * N + p * PW, N, Elem::BF16,

@@ -22,21 +22,13 @@ static inline int64_t fma_pair_slot(int64_t p, int64_t nb) { return (((p & 7) >>
 // wide; wf: the group's first column there): slot s (fma_pair_slot) holds the odd elements at
 // wf + s * 2 * ws, the even ones ws further; zero past kc and past ncols <= 16.
 static inline void fma_pack_chunk(const uint16_t* W, int64_t ldw, int ncols, int64_t kc, float* wf, int64_t ws) {
-  const int64_t npairs = (kc + 15) / 16 * 8, nb = npairs / 8;
+  const int64_t nb = (kc + 15) / 16;
   const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
-  for (int64_t p0 = 0; p0 < npairs; p0 += 16) {
-    __m512i r[16];
-    const int64_t valid = kc - 2 * p0;
-    const __mmask32 m = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
-    for (int n = 0; n < 16; ++n)
-      r[n] = n < ncols ? _mm512_maskz_loadu_epi16(m, W + n * ldw + 2 * p0) : _mm512_setzero_si512();
-    hw_transpose16(r);
-    for (int i = 0; i < 16 && p0 + i < npairs; ++i) {
-      float* d = wf + fma_pair_slot(p0 + i, nb) * 2 * ws;
-      _mm512_storeu_si512(d, _mm512_and_si512(r[i], hi));
-      _mm512_storeu_si512(d + ws, _mm512_slli_epi32(r[i], 16));
-    }
-  }
+  hw_chunk_pairs16(W, ldw, ncols, kc, [&](int64_t p, __m512i v) {
+    float* d = wf + fma_pair_slot(p, nb) * 2 * ws;
+    _mm512_storeu_si512(d, _mm512_and_si512(v, hi));
+    _mm512_storeu_si512(d + ws, _mm512_slli_epi32(v, 16));
+  });
 }
 
 // A row block's x of one chunk widened to fp32: xf[r * ld + i] = x[r * ldx + i], i < len (a

@@ -221,6 +221,23 @@ static inline void hw_transpose16(__m512i* r) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// A 16-column group's chunk of W as pairs: put(p, v) for each of the chunk's npairs = ceil(kc /
+// 16) * 8 pairs p, v's dword n the pair p of weight row n (elements 2p, 2p + 1 of the chunk;
+// zero past kc and past ncols <= 16).
+template <class Put>
+static inline void hw_chunk_pairs16(const uint16_t* W, int64_t ldw, int ncols, int64_t kc, Put&& put) {
+  const int64_t npairs = (kc + 15) / 16 * 8;
+  for (int64_t p0 = 0; p0 < npairs; p0 += 16) {
+    __m512i r[16];
+    const int64_t valid = kc - 2 * p0;
+    const __mmask32 m = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
+    for (int n = 0; n < 16; ++n)
+      r[n] = n < ncols ? _mm512_maskz_loadu_epi16(m, W + n * ldw + 2 * p0) : _mm512_setzero_si512();
+    hw_transpose16(r);
+    for (int i = 0; i < 16 && p0 + i < npairs; ++i) put(p0 + i, r[i]);
+  }
+}
+
 #include "bf16dot_fma.h"
 
 // All ncols <= kPanelPairs columns (out: [rows, kPanelPairs]): one row (x in place; MP = 0), or
@@ -267,16 +284,7 @@ static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, cons
 // wp[p * ldp + n] = the pair p of weight row n (elements 2p, 2p + 1 of the chunk; zero past kc
 // and past ncols <= 16), for the chunk's npairs = ceil(kc / 16) * 8 pairs.
 static inline void hw_pack_chunk(const uint16_t* W, int64_t ldw, int ncols, int64_t kc, uint32_t* wp, int64_t ldp) {
-  const int64_t npairs = (kc + 15) / 16 * 8;
-  for (int64_t p0 = 0; p0 < npairs; p0 += 16) {
-    __m512i r[16];
-    const int64_t valid = kc - 2 * p0;
-    const __mmask32 m = valid >= 32 ? ~__mmask32(0) : __mmask32((1ull << valid) - 1u);
-    for (int n = 0; n < 16; ++n)
-      r[n] = n < ncols ? _mm512_maskz_loadu_epi16(m, W + n * ldw + 2 * p0) : _mm512_setzero_si512();
-    hw_transpose16(r);
-    for (int i = 0; i < 16 && p0 + i < npairs; ++i) _mm512_storeu_si512(wp + (p0 + i) * ldp, r[i]);
-  }
+  hw_chunk_pairs16(W, ldw, ncols, kc, [&](int64_t p, __m512i v) { _mm512_storeu_si512(wp + p * ldp, v); });
 }
 
 // Many rows: an outer product of MR rows and NZ x 16 columns over the lanes in two groups of four
