@@ -91,10 +91,10 @@ constexpr int kShortChunk = 96;  // K = 768 at C = 8: the experts' down projecti
 constexpr int kLaneRowsPairsEmu = 20;  // the same, emulated (bf16dot.h: AVX2, portable)
 // The same for the AVX-512 table on Intel, at every chunk length: there both passes run on FMAs
 // (bf16dot_fma.h), and the dot products over x in row pairs (two rows a zmm, the weights
-// streamed once) ran ahead up to 64 rows. Measured on the Intel Xeon (family 6, model 167; 2 threads, hot weights, the two alternated in one process): the dot products
-// against the lane passes at 16 / 32 / 48 / 64 / 80 / 128 rows 1.59x / 1.25x / 1.15x /
-// 1.05x / 0.94x / 0.64x at K = 2048, N = 4096; at K = 768 1.31x at 16, 1.09x at 48, 1.06x at
-// 64, level at 72-88.
+// streamed once) ran ahead up to 64 rows. Measured on the Intel Xeon (family 6, model 167; 2
+// threads, hot weights, the two alternated in one process): the dot products against the lane
+// passes at 16 / 32 / 48 / 64 / 80 / 128 rows 1.59x / 1.25x / 1.15x / 1.05x / 0.94x / 0.64x at
+// K = 2048, N = 4096; at K = 768 1.31x at 16, 1.09x at 48, 1.06x at 64, level at 72-88.
 constexpr int kLaneRowsPairsIntel = 64;
 
 enum class Elem : int { F32 = 0, BF16 = 1 };
@@ -164,7 +164,8 @@ inline int64_t bf16_chunk_stride(int64_t kc) { return (kc + 15) / 16 * 16; }
 
 // Scratch floats of a bf16 x bf16 linear_panel_bf16 call of at most `rows` rows: sums and chunk
 // partials of a row block, and the weights: one chunk unpacked ([pairs][odd, even][16] fp32,
-// emulated) or the panel's chunks packed ([chunks][pairs][64] 32-bit pairs, vdpbf16ps).
+// emulated) or the panel's chunks packed ([chunks][pairs][64] 32-bit pairs, vdpbf16ps; on Intel
+// [chunks][slabs][pairs][odd, even][32] fp32, and a row block's chunk of x widened, FMAs).
 constexpr int kRowBlockPairs = 384;  // rows per bf16 x bf16 linear task (the kernel blocks them by kRowBlock)
 
 // Rows per bf16 x bf16 linear task: the fewest blocks of at most kRowBlockPairs, even. A task
@@ -176,7 +177,8 @@ inline int64_t bf16_row_block(int64_t M) {
 
 // Whether a bf16 x bf16 linear task on the instruction runs dot products over x packed in row
 // pairs (Kernels::pack_pairs): every task that runs no lane passes. pairs_floats: the floats of
-// such a packing of `rows` rows (an odd last row is paired with zeros).
+// such a packing of `rows` rows (an odd last row is paired with zeros): the exact copy, one float
+// a row pair and element, and room for the widened one of the table on Intel, four.
 inline bool bf16_packs_pairs(int64_t rows, int64_t kc, int lane_rows) {
   return rows > 1 && !bf16_lane_passes(rows, kc, true, lane_rows);
 }
