@@ -22,6 +22,10 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 CANONICAL_NAN = 0x7FC00000
 BUILDS = {"portable": ("TONP_FORCE_PORTABLE", "1"), "avx2": ("TONP_FORCE_AVX2", "1"),
           "native": ("TONP_FORCE_PORTABLE", None)}
+# The AVX512-BF16 table's two bf16 paths, on whichever CPU runs the table: Intel's (the pair
+# chains on FMAs, bf16dot_fma.h) and the other CPUs' (vdpbf16ps).
+if "avx512bf16" in ISAS:
+    BUILDS.update({"avx512 fma": ("TONP_FORCE_BF16_FMA", "1"), "avx512 vdpbf16ps": ("TONP_FORCE_BF16_FMA", "0")})
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -169,8 +173,11 @@ def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
         # tiles of up to 6 rows over 32-column slabs, an odd group over tiles of up to 8; 97 and
         # 98 end on a 96-row block and a block of one or two rows; emulated from 20)
         for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 63, 64, 65, 97, 98):
-            got = tk.linear(x[:M], w, bias, out_dtype=out)
-            assert torch.equal(_bits(got), _bits(want[:M])), f"M={M} out={out}"
+            for name in ("native", "avx512 fma", "avx512 vdpbf16ps"):  # both paths of the table where it runs
+                if name in BUILDS:
+                    with env(*BUILDS[name]):
+                        got = tk.linear(x[:M], w, bias, out_dtype=out)
+                    assert torch.equal(_bits(got), _bits(want[:M])), f"{name} M={M} out={out}"
 
 
 def _hostile(M, K, gen):

@@ -89,6 +89,15 @@ namespace tonp_avx512bf16 {
 // of 6 rows (kernels.h, kLanePanelsIntel), or a panel at a time in tiles of 8. Chosen on Intel;
 // TONP_FORCE_PAIR_TILES=1 (kernels_avx512bf16_pairs) runs it on any AVX512-BF16 CPU, so the
 // tests compare it with the portable build there too. Only the layout: the same bits.
+// The bf16 x bf16 linear's path: on Intel (kLaneRowsPairsIntel, bf16dot_fma.h) the pair tiles of
+// two row pairs or more and the lane passes on FMAs, x packed in both copies, group fetches;
+// elsewhere vdpbf16ps. TONP_FORCE_BF16_FMA=1 / 0 (kernels_avx512bf16_bf16) runs either on any
+// AVX512-BF16 CPU, so the tests compare both with the portable build there. The same bits.
+static void set_bf16_path(tonp::Kernels& t, bool intel) {
+  t.linear_panel_bf16 = intel ? linear_panel_bf16_hw<true> : linear_panel_bf16_hw<false>;
+  t.pack_pairs = intel ? fma_pack_pairs : hw_pack_pairs;
+  t.lane_rows_bf16 = intel ? tonp::kLaneRowsPairsIntel : 0;
+}
 static void set_pair_tiles(tonp::Kernels& t, bool on) {
   t.linear_panel = on ? linear_panel_pairs : linear_panel;
   t.pack_lanes = on ? pack_lanes_pairs : pack_lanes;  // for its zmm lane tiles
@@ -111,12 +120,7 @@ const Kernels* kernels_avx512bf16() {
     tonp_avx512bf16::set_pair_tiles(t, tonp_avx512bf16::intel_cpu());
     t.lane_rows_f32 = tonp_avx512bf16::kLaneRowsBuild;
     t.row_block_f32 = tonp::kRowBlockF32;
-    t.linear_panel_bf16 = tonp_avx512bf16::intel_cpu() ? tonp_avx512bf16::linear_panel_bf16_hw<true>
-                                                       : tonp_avx512bf16::linear_panel_bf16_hw<false>;
-    // Its dot products' x in row pairs; on Intel a widened copy after them too, for the FMA
-    // tiles, which also run the lane passes from kLaneRowsPairsIntel rows (bf16dot_fma.h).
-    t.pack_pairs = tonp_avx512bf16::intel_cpu() ? tonp_avx512bf16::fma_pack_pairs : tonp_avx512bf16::hw_pack_pairs;
-    t.lane_rows_bf16 = tonp_avx512bf16::intel_cpu() ? tonp::kLaneRowsPairsIntel : 0;
+    tonp_avx512bf16::set_bf16_path(t, tonp_avx512bf16::intel_cpu());
     t.group_rows_f32 = tonp_avx512bf16::kGroupRowsBuild;  // its lane tiles read fp32 groups at every row count
     t.linear_group_rows_f32 = tonp_avx512bf16::amd_zen5_or_later() ? 1
                               : tonp_avx512bf16::intel_cpu()     ? tonp::kLinearGroupRowsIntel
@@ -141,6 +145,20 @@ const Kernels* kernels_avx512bf16() {
 #endif
   }();
   return table;
+}
+
+// The same table with the bf16 x bf16 linear's path of Intel (fma) or of other CPUs, on any CPU
+// that runs it (TONP_FORCE_BF16_FMA=1 / 0).
+const Kernels* kernels_avx512bf16_bf16(bool fma) {
+  static const Kernels* tables = []() -> const Kernels* {
+    const Kernels* base = kernels_avx512bf16();
+    if (!base) return nullptr;
+    static Kernels t[2] = {*base, *base};
+    tonp_avx512bf16::set_bf16_path(t[0], false);
+    tonp_avx512bf16::set_bf16_path(t[1], true);
+    return t;
+  }();
+  return tables ? tables + (fma ? 1 : 0) : nullptr;
 }
 
 // The same table with the two-panel tiles, on any CPU that runs it (TONP_FORCE_PAIR_TILES=1).

@@ -468,5 +468,8 @@ const Kernels* kernels_avx512bf16();
 // That table with the fp32 lane passes' two-panel tiles (Kernels::lane_panels_f32; its own choice
 // on Intel), on any CPU it runs on; null where it is null (TONP_FORCE_PAIR_TILES=1).
 const Kernels* kernels_avx512bf16_pairs();
+// That table with the bf16 x bf16 linear's path of Intel (fma: bf16dot_fma.h) or of other CPUs
+// (vdpbf16ps), on any CPU it runs on; null where it is null (TONP_FORCE_BF16_FMA=1 / 0).
+const Kernels* kernels_avx512bf16_bf16(bool fma);
 
 }  // namespace tonp

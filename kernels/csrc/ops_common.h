@@ -20,13 +20,16 @@ inline const Kernels* K() {
   // Read at call time so tests can compare the builds in one process: TONP_FORCE_PORTABLE=1 (the
   // portable build), TONP_FORCE_AVX2=1 (AVX2, bf16 x bf16 linears emulated, on an AVX512-BF16 CPU),
   // TONP_FORCE_PAIR_TILES=1 (the AVX512-BF16 table with Intel's two-panel fp32 tiles on any CPU
-  // that runs it).
+  // that runs it), TONP_FORCE_BF16_FMA=1 / 0 (that table with the bf16 x bf16 linear's path of
+  // Intel, on FMAs, or of other CPUs, on vdpbf16ps).
   const char* force = std::getenv("TONP_FORCE_PORTABLE");
   if (force && force[0] == '1') return kernels_portable();
   static const bool avx2 = cpu_has_avx2_fma();
   static const Kernels* bf16hw = kernels_avx512bf16();
   const char* force_avx2 = std::getenv("TONP_FORCE_AVX2");
   if (bf16hw && !(force_avx2 && force_avx2[0] == '1')) {
+    const char* fma = std::getenv("TONP_FORCE_BF16_FMA");
+    if (fma && (fma[0] == '0' || fma[0] == '1')) return kernels_avx512bf16_bf16(fma[0] == '1');
     const char* pairs = std::getenv("TONP_FORCE_PAIR_TILES");
     return pairs && pairs[0] == '1' ? kernels_avx512bf16_pairs() : bf16hw;
   }
