@@ -44,6 +44,7 @@ FAST = 45.0  # GB/s
 # The base build's names: its tables, namespaces and CPU check, renamed so both builds link.
 RENAMES = ["-Dtonp_avx512bf16=tonp_base_avx512bf16_ns", "-Dkernels_avx512bf16=kernels_base_avx512bf16",
            "-Dkernels_avx512bf16_pairs=kernels_base_avx512bf16_pairs",
+           "-Dkernels_avx512bf16_bf16=kernels_base_avx512bf16_bf16",
            "-Dtonp_avx2=tonp_base_avx2_ns", "-Dkernels_avx2=kernels_base_avx2",
            "-Dcpu_has_avx2_fma=cpu_has_avx2_fma_base"]
 LINEAR = [(4096, 2048, 4096), (4096, 2048, 512), (256, 2048, 1536), (256, 768, 2048),
