@@ -51,7 +51,7 @@ double run(const Kernels* k, bool pairs, const Shape& s, const std::vector<uint1
     std::unique_ptr<float[]> scratch(
         new float[pairs ? linear_scratch_bf16(chunks, K, rmax) : linear_scratch(chunks, K, rmax, Elem::BF16, k->lane_rows_f32)]);
     std::unique_ptr<float[]> xl(new float[rmax * K]);  // fp32 lane passes: x lane-packed (as ops.cpp)
-    std::unique_ptr<float[]> xp(new float[pairs_floats(rmax, chunks, kc)]);  // dot products: x in row pairs
+    std::unique_ptr<float[]> xp(new float[pairs_floats(rmax, chunks, kc, k->pairs_widened)]);  // dot products: x in row pairs
     int64_t packed = -1, paired = -1;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < np * nmb; ++t) {

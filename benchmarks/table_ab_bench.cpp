@@ -307,7 +307,7 @@ int experts_bf16(const tonp::Kernels* const t[2], double mean, int rounds) {
         const int th = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
         std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, maxr) + 64);
-        std::vector<uint16_t> xp(2 * tonp::pairs_floats(maxr, kChunks, kc) + 64);
+        std::vector<uint16_t> xp(2 * tonp::pairs_floats(maxr, kChunks, kc, true) + 64);
         int packed = -1;
         for (int64_t task = b; task < e; ++task) {
           const int ex = used[task / np];
@@ -332,7 +332,7 @@ int hot_bf16(const tonp::Kernels* const t[2], int64_t K, int rounds) {
   for (int64_t R : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 64, 256}) {
     const std::vector<uint16_t> x = bf16_of(filled(R * K, 40503ull));
     std::vector<uint16_t> out[2] = {std::vector<uint16_t>(R * N), std::vector<uint16_t>(R * N)};
-    std::vector<uint16_t> xp(2 * tonp::pairs_floats(R, kChunks, kc) + 64);
+    std::vector<uint16_t> xp(2 * tonp::pairs_floats(R, kChunks, kc, true) + 64);
     std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, R) + 64);
     const int reps = int(std::max<int64_t>(1, 30000000 / (R * K * N)));
     const auto s = alternated(rounds, false, [&](int v) {
@@ -364,7 +364,7 @@ int linear_bf16(const tonp::Kernels* const t[2], int64_t M, int64_t K, int64_t N
       const int th = omp_get_num_threads(), tid = omp_get_thread_num();
       const int64_t ntask = nb * np, per = (ntask + th - 1) / th, b = tid * per, e = std::min(ntask, b + per);
       std::vector<float> scratch(tonp::linear_scratch_bf16(kChunks, K, rb) + 64);
-      std::vector<uint16_t> xp(2 * tonp::pairs_floats(rb, kChunks, kc) + 64);
+      std::vector<uint16_t> xp(2 * tonp::pairs_floats(rb, kChunks, kc, true) + 64);
       int64_t packed = -1;
       for (int64_t task = b; task < e; ++task) {
         const int64_t blk = task / np, p = task % np, r0 = blk * rb, rows = std::min(rb, M - r0);

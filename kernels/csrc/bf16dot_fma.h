@@ -84,25 +84,6 @@ static inline void fma_lane_tile(const float* xf, int64_t ldxf, const float* sla
     }
 }
 
-// rows in tiles of at most MAX (1 <= MAX <= 8), as even as they split: f(first row, rows as an
-// integral constant).
-template <int MAX, class F>
-static inline void fma_even_tiles(int64_t rows, F&& f) {
-  const int64_t tiles = (rows + MAX - 1) / MAX, small = rows / tiles, big = rows % tiles;
-  for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int64_t mr = small + (t < big);
-    switch (mr) {
-#define TONP_FMA_TILE(n) \
-  case n: if constexpr (n <= MAX) f(r, std::integral_constant<int, n>()); break;
-      TONP_FMA_TILE(1) TONP_FMA_TILE(2) TONP_FMA_TILE(3) TONP_FMA_TILE(4)
-      TONP_FMA_TILE(5) TONP_FMA_TILE(6) TONP_FMA_TILE(7) TONP_FMA_TILE(8)
-#undef TONP_FMA_TILE
-      default: break;
-    }
-    r += mr;
-  }
-}
-
 // A row block's partials of one chunk (wf: the chunk's slabs, fma_slab): the panel's 16-column
 // groups two at a time (a 32-column slab), every row tile over a slab before the next (its
 // widened weights, 32 KB at 128 pairs, stay in L1 over the row tiles), an odd last group alone.
@@ -112,12 +93,12 @@ static void fma_chunk_rows(const float* xf, int64_t ldxf, int64_t rows, const fl
                            float* pc) {
   constexpr int W = tonp::kPanelPairs;
   for (int q = 0; q + 2 <= nz; q += 2)
-    fma_even_tiles<6>(rows, [&](int64_t r, auto mr) {
+    even_row_tiles<6>(rows, [&](int64_t r, auto mr) {
       fma_lane_tile<mr(), 2>(xf + r * ldxf, ldxf, fma_slab(wf, q, npairs), npairs, pc + r * W + q * 16);
     });
   if (nz % 2) {
     const int q = nz - 1;
-    fma_even_tiles<8>(rows, [&](int64_t r, auto mr) {
+    even_row_tiles<8>(rows, [&](int64_t r, auto mr) {
       fma_lane_tile<mr(), 1>(xf + r * ldxf, ldxf, fma_slab(wf, q, npairs), npairs, pc + r * W + q * 16);
     });
   }
@@ -128,7 +109,7 @@ static void fma_chunk_rows(const float* xf, int64_t ldxf, int64_t rows, const fl
 // hw_pack_pairs' copy (for the one-pair tiles, on the instruction), then, P * chunks * xkc
 // floats on, x widened: pair p's block b of chunk c at ((c * nb + b) * P + p) * 64 floats, the
 // odd elements of rows 2p (lanes 0-7) and 2p + 1 (lanes 8-15), then the even ones (an odd last
-// row: zeros). Both fit pairs_floats(rows, chunks, xkc) floats.
+// row: zeros). Both fit pairs_floats(rows, chunks, xkc, true) floats.
 // ---------------------------------------------------------------------------------------------
 static void fma_pack_pairs(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* out) {
   hw_pack_pairs(x, ldx, xkc, rows, chunks, out);

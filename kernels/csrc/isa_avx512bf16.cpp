@@ -97,6 +97,7 @@ static void set_bf16_path(tonp::Kernels& t, bool intel) {
   t.linear_panel_bf16 = intel ? linear_panel_bf16_hw<true> : linear_panel_bf16_hw<false>;
   t.pack_pairs = intel ? fma_pack_pairs : hw_pack_pairs;
   t.lane_rows_bf16 = intel ? tonp::kLaneRowsPairsIntel : 0;
+  t.pairs_widened = intel;
 }
 static void set_pair_tiles(tonp::Kernels& t, bool on) {
   t.linear_panel = on ? linear_panel_pairs : linear_panel;

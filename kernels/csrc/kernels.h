@@ -178,11 +178,14 @@ inline int64_t bf16_row_block(int64_t M) {
 // Whether a bf16 x bf16 linear task on the instruction runs dot products over x packed in row
 // pairs (Kernels::pack_pairs): every task that runs no lane passes. pairs_floats: the floats of
 // such a packing of `rows` rows (an odd last row is paired with zeros): the exact copy, one float
-// a row pair and element, and room for the widened one of the table on Intel, four.
+// a row pair and element, and with `widened` (Kernels::pairs_widened: the table on Intel) four
+// more for the widened copy.
 inline bool bf16_packs_pairs(int64_t rows, int64_t kc, int lane_rows) {
   return rows > 1 && !bf16_lane_passes(rows, kc, true, lane_rows);
 }
-inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc) { return (rows + 1) / 2 * chunks * xkc * 5; }
+inline int64_t pairs_floats(int64_t rows, int64_t chunks, int64_t xkc, bool widened) {
+  return (rows + 1) / 2 * chunks * xkc * (widened ? 5 : 1);
+}
 // The most rows a table's linear_panel_bf16 takes as dot products (fewer than its lane passes).
 inline int64_t bf16_pair_rows_max(int lane_rows) { return lane_rows > 0 ? lane_rows : kLaneRowsPairs; }
 
@@ -370,8 +373,8 @@ struct Kernels {
   // would transpose every weight chunk again. The same bits.
   int linear_pack_rows_f32;
   // x rows of a bf16 x bf16 linear (as linear_panel_bf16's x) packed in row pairs for its dot
-  // products: an exact copy, and on Intel a widened one after it (bf16dot_fma.h), in
-  // pairs_floats(rows, chunks, xkc) floats at xp. Null in the tables whose linear_panel_bf16
+  // products: an exact copy, and where pairs_widened (on Intel) a widened one after it
+  // (bf16dot_fma.h), in pairs_floats(rows, chunks, xkc, pairs_widened) floats at xp. Null in the tables whose linear_panel_bf16
   // reads x in place (the emulated builds).
   void (*pack_pairs)(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, int chunks, uint16_t* xp);
   // Weight groups, where they were measured to pay; elsewhere a packed copy would be memory for
@@ -433,6 +436,8 @@ struct Kernels {
   // (bf16_lane_passes); 0: the instruction's rule (kLaneRowsPairs, kLaneRowsPairsShort). The
   // AVX-512 table on Intel kLaneRowsPairsIntel. Which path runs never changes a bit.
   int lane_rows_bf16 = 0;
+  // pack_pairs writes the widened copy of x too (pairs_floats).
+  bool pairs_widened = false;
 };
 
 // The row-block cap of a tk.linear call of `rows` rows and reduction length K

@@ -184,7 +184,7 @@ class XPack {
                   : (group_rows_ > 0 && max_rows >= group_rows_) || linear_lane_passes(max_rows, kc, welem, kern->lane_rows_f32)),
         buf_(scratch_floats(!on_ ? 0
                             : pairs ? pairs_floats(std::min<int64_t>(max_rows, bf16_pair_rows_max(kern->lane_rows_bf16)),
-                                                   kc > 0 ? K / kc : 0, xkc_)
+                                                   kc > 0 ? K / kc : 0, xkc_, kern->pairs_widened)
                                     : max_rows * K)) {}
   const void* of(int64_t block, const void* x, int64_t ldx, int64_t rows, int chunks) {
     if (!on_ || !(pairs_ ? bf16_packs_pairs(rows, kc_, kern_->lane_rows_bf16)
