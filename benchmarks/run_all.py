@@ -314,7 +314,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-train", action="store_true",
                     help="skip train_bench.py (training step vs forward and torch)")
     ap.add_argument("--skip-amx", action="store_true",
-                    help="skip benchmarks/amx_bench.py (run where the CPU has AMX-BF16 or AVX-512F)")
+                    help="skip benchmarks/amx_bench.py (run where the CPU has AMX-BF16 or AVX-512F) "
+                         "and amx_decode.py (AMX-BF16)")
     ap.add_argument("--peer-eager", action="store_true",
                     help="decode_bench's vLLM without torch.compile (its default compiles the "
                          "model first: many minutes on a 2-core machine)")
@@ -385,6 +386,11 @@ def main(argv=None) -> dict:
                          record_stem(RESULTS_DIR, "amx" if mode == "full" else "amx_quick", meta) + ".md",
                          1200)
             extra += [("AMX-BF16 (benchmarks/amx_bench.py)", x[1])] if x else []
+        if not args.skip_amx and amx.available():
+            x = run_peer("amx_decode.py", [] if mode == "full" else ["--quick"],
+                         record_stem(RESULTS_DIR, "amx_decode" if mode == "full" else "amx_decode_quick",
+                                     meta) + ".md", 1800)
+            extra += [("Version 2 in batched decode (benchmarks/amx_decode.py)", x[1])] if x else []
     meta["load_after"] = os.getloadavg()[0]
     machine = roofline.best_of(machine, roofline.measure_machine(mode))
     store["targets"] = all_targets(cases, runs, machine)

@@ -241,6 +241,26 @@ def test_amx_bench_runs_where_there_is_amx(tmp_path, capsys):
         assert not data["numerics"] and "AMX block chains" not in contenders and not data["backward_gemm"]
 
 
+@pytest.mark.timeout(180)
+def test_amx_decode_runs_where_there_is_amx(tmp_path, capsys):
+    """benchmarks/amx_decode.py --smoke: on an AMX machine every arm is timed, the v2 arm runs its
+    linears on the prototype, and the two version-1 arms give the same bits; elsewhere it says so
+    and writes nothing."""
+    import amx_decode
+    import tonp_kernels.amx as amx
+    assert amx_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    if not amx.available():
+        assert "nothing to measure" in capsys.readouterr().out and not list(tmp_path.iterdir())
+        return
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["amx_decode_quick.json", "amx_decode_quick.md"]
+    data = json.loads((tmp_path / "amx_decode_quick.json").read_text())
+    arms = set(amx_decode.ARMS)
+    assert [set(e["ms"]) for e in data["experts"]] == [arms] and [set(d["step_ms"]) for d in data["decode"]] == [arms]
+    d = data["decode"][0]
+    assert d["v1_arms_same_tokens"] and d["v1_arms_same_logprob_bits"] and d["v2_linears_in_prefill"] > 0
+    assert not hasattr(__import__("tonp_kernels").linear, "__self__")  # tk.linear given back
+
+
 def test_a_run_never_overwrites_another_machines_record(tmp_path):
     """benchlib.record_stem: kernel_bench and decode_bench write `stem` unless its json holds
     another machine's run (another CPU model or kernel table), then `stem_<machine>`, then that
