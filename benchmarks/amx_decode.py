@@ -1,8 +1,8 @@
 """What contract version 2 (CONTRACT.md, "Proposed version 2") would gain in batched decode, measured
 with its AMX prototype on this CPU: speed only; the bits in force stay version 1's.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_decode.py           # ~12 min; needs AMX-BF16
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_decode.py --quick   # ~4 min
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_decode.py           # ~7 min; needs AMX-BF16
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/amx_decode.py --quick   # ~3 min
     .venv/bin/python benchmarks/amx_decode.py --smoke                     # tiny, checks the code runs
 
 The GEMM table of amx_bench.py says what version 2 does to one linear; a decode step also streams
@@ -23,7 +23,7 @@ against v1 fused shows).
    between the v1 arms (bit for bit: the per-expert path is the same arithmetic), and how many
    of batch row 0's logprobs v2 changes (its bits are new: a checkpoint's run record would have to
    carry the version).
-Writes benchmarks/results/amx_decode{,_quick}.{md,json}; on a CPU without AMX-BF16 says so and
+Writes benchmarks/results/amx_decode{,_quick,_smoke}.{md,json}; on a CPU without AMX-BF16 says so and
 writes nothing.
 """
 from __future__ import annotations
@@ -203,7 +203,7 @@ def decode_steps(batches: List[int], rounds: int, layers: int, vocab: int, promp
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of a full run (--quick: 2, --smoke: 1)")
     ap.add_argument("--quick", action="store_true", help="rows 4, 8; batches 16, 64; 2 rounds")
     ap.add_argument("--smoke", action="store_true", help="tiny model, one round: checks the code runs")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
         "Step: (generate of 17 tokens less generate of 1) over 16 steps. 'same bits': tokens and "
         "row 0's logprobs of the two version-1 arms, bit for bit.",
     ) if x)
-    stem = "amx_decode_quick" if a.quick or a.smoke else "amx_decode"
+    stem = "amx_decode_smoke" if a.smoke else "amx_decode_quick" if a.quick else "amx_decode"
     paths = write_record(a.out, stem, md + "\n", {"meta": meta, "experts": exp, "decode": dec})
     print(md)
     log("amx_decode: wrote " + ", ".join(str(p) for p in paths))

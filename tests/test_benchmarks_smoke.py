@@ -252,8 +252,8 @@ def test_amx_decode_runs_where_there_is_amx(tmp_path, capsys):
     if not amx.available():
         assert "nothing to measure" in capsys.readouterr().out and not list(tmp_path.iterdir())
         return
-    assert [p.name for p in sorted(tmp_path.iterdir())] == ["amx_decode_quick.json", "amx_decode_quick.md"]
-    data = json.loads((tmp_path / "amx_decode_quick.json").read_text())
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["amx_decode_smoke.json", "amx_decode_smoke.md"]
+    data = json.loads((tmp_path / "amx_decode_smoke.json").read_text())
     arms = set(amx_decode.ARMS)
     assert [set(e["ms"]) for e in data["experts"]] == [arms] and [set(d["step_ms"]) for d in data["decode"]] == [arms]
     d = data["decode"][0]
