@@ -159,7 +159,7 @@ def pair_linear_reference(x, w, bias=None, chunks=8, out_dtype=None):
 def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
     """kc = 3, 5, 13 (odd chunk starts, padded blocks), 48 (a prefetched pair of blocks and one
     more), 96 and 256 (the model's)."""
-    x = randn(98, K, dtype=torch.bfloat16, gen=gen)
+    x = randn(130, K, dtype=torch.bfloat16, gen=gen)
     w = randn(N, K, dtype=torch.bfloat16, gen=gen, scale=K ** -0.5)
     bias = randn(N, dtype=torch.bfloat16, gen=gen)
     for out in (torch.float32, torch.bfloat16):
@@ -168,11 +168,13 @@ def test_linear_is_the_documented_pair_arithmetic(K, N, gen):
         # 5 or 7 paired with a zero row, a lone one (1, 9, 17 ...) alone; on Intel the tiles of
         # two pairs or more on FMAs; emulated: tiles of 2 rows and an odd one over four columns
         # at a time, sharing the fetch of the next four; one row 8 columns wide), lane passes (on
-        # vdpbf16ps from 48 rows, from 24 when kc <= 96: tiles of 3 and 2 rows over pairs of
-        # 16-column groups, an odd group over tiles of 5 and 4; on Intel from 64 rows on FMAs,
-        # tiles of up to 6 rows over 32-column slabs, an odd group over tiles of up to 8; 97 and
-        # 98 end on a 96-row block and a block of one or two rows; emulated from 20)
-        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 63, 64, 65, 97, 98):
+        # vdpbf16ps from 48 rows, from 24 when kc <= 96, on an AMD Zen 5 from 112 at every
+        # chunk length: tiles of 3 and 2 rows over pairs of 16-column groups, an odd group over
+        # tiles of 5 and 4; on Intel from 64 rows on FMAs, tiles of up to 6 rows over 32-column
+        # slabs, an odd group over tiles of up to 8; 97, 98, 112, 113 and 130 end on a 96-row
+        # block and a block of 1-34 rows; emulated from 20)
+        for M in (1, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 17, 21, 23, 24, 25, 47, 48, 53, 63, 64, 65, 97, 98, 111, 112,
+                  113, 130):
             for name in ("native", "avx512 fma", "avx512 vdpbf16ps"):  # both paths of the table where it runs
                 if name in BUILDS:
                     with env(*BUILDS[name]):

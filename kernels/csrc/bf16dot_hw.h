@@ -306,15 +306,16 @@ static inline void hw_dot_cols(const uint16_t* x, int64_t ldx, int64_t xkc, cons
 // table on Intel): the tiles on a weight group prefetch along it, pair tiles of up to
 // kGroupPairsIntel pairs read it too (hw_dot_cols), the pair tiles of two pairs or more and the
 // lane passes (from kLaneRowsPairsIntel rows) run on FMAs (bf16dot_fma.h), and xpairs holds
-// fma_pack_pairs' two copies.
-template <bool kIntel>
+// fma_pack_pairs' two copies. kLaneRows: the table's lane_rows_bf16 (bf16_lane_passes; 0: the
+// instruction's rule by chunk length).
+template <bool kIntel, int kLaneRows>
 static void linear_panel_bf16_hw(const uint16_t* x, int64_t ldx, int64_t xkc, int64_t rows, const uint16_t* W,
                                  int64_t ldw, int64_t kc, int chunks, const float* bias, int ncols, void* out,
                                  int64_t ldo, Elem oelem, float* scratch, const uint16_t* xpairs,
                                  const uint16_t* wgroups) {
   IeeeScope ieee;  // the trees' adds
   constexpr int64_t WP = tonp::kPanelPairs;
-  if (tonp::bf16_lane_passes(rows, kc, true, kIntel ? tonp::kLaneRowsPairsIntel : 0)) {
+  if (tonp::bf16_lane_passes(rows, kc, true, kLaneRows)) {
     float* pbuf = scratch;
     uint32_t* wp = reinterpret_cast<uint32_t*>(pbuf + chunks * std::min<int64_t>(rows, tonp::kRowBlock) * WP);
     if constexpr (kIntel) hw_rows_blocked<true>(x, ldx, xkc, rows, W, ldw, kc, chunks, bias, ncols, out, ldo, oelem, pbuf, wp);

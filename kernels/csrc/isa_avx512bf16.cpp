@@ -93,10 +93,15 @@ namespace tonp_avx512bf16 {
 // two row pairs or more and the lane passes on FMAs, x packed in both copies, group fetches;
 // elsewhere vdpbf16ps. TONP_FORCE_BF16_FMA=1 / 0 (kernels_avx512bf16_bf16) runs either on any
 // AVX512-BF16 CPU, so the tests compare both with the portable build there. The same bits.
+// The lane passes' row count (lane_rows_bf16) goes with the path on Intel, by the CPU elsewhere:
+// from kLaneRowsPairsZen5 rows on an AMD Zen 5 or later, the instruction's rule on others.
 static void set_bf16_path(tonp::Kernels& t, bool intel) {
-  t.linear_panel_bf16 = intel ? linear_panel_bf16_hw<true> : linear_panel_bf16_hw<false>;
+  const bool zen5 = !intel && amd_zen5_or_later();
+  t.linear_panel_bf16 = intel  ? linear_panel_bf16_hw<true, tonp::kLaneRowsPairsIntel>
+                        : zen5 ? linear_panel_bf16_hw<false, tonp::kLaneRowsPairsZen5>
+                               : linear_panel_bf16_hw<false, 0>;
   t.pack_pairs = intel ? fma_pack_pairs : hw_pack_pairs;
-  t.lane_rows_bf16 = intel ? tonp::kLaneRowsPairsIntel : 0;
+  t.lane_rows_bf16 = intel ? tonp::kLaneRowsPairsIntel : zen5 ? tonp::kLaneRowsPairsZen5 : 0;
   t.pairs_widened = intel;
 }
 static void set_pair_tiles(tonp::Kernels& t, bool on) {
