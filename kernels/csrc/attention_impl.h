@@ -182,11 +182,17 @@ static void attention_t(const AttnQuery& a0, int heads, int G, int D, int block,
       // row from the next, which the hardware prefetchers do not follow (hints only: integer
       // addresses, no arithmetic). Not on an fp32 varlen call, whose keys the queries before
       // had read (measured there a loss: docs/performance.md).
+      // After the last block: the caller's next task's first block of this head (AttnQuery::next_k).
       const int64_t bn = b + 1;
-      const int nn = bn < nblocks && fetch ? int(a0.pos + 1 - bn * block < block ? a0.pos + 1 - bn * block : block) : 0;
-      const int64_t offn = nn ? (a0.pages ? int64_t(a0.pages[bn]) * a0.page_stride : bn * block * a0.pos_stride) + hoff : 0;
-      const uintptr_t kn = reinterpret_cast<uintptr_t>(a0.k_base) + sizeof(T) * uintptr_t(offn);
-      const uintptr_t vn = reinterpret_cast<uintptr_t>(a0.v_base) + sizeof(T) * uintptr_t(offn);
+      const bool last = bn == nblocks && a0.next_k;
+      const int nn = !fetch                ? 0
+                     : last                ? int(a0.next_n)
+                     : bn < nblocks ? int(a0.pos + 1 - bn * block < block ? a0.pos + 1 - bn * block : block)
+                                    : 0;
+      const int64_t offn = nn && !last ? (a0.pages ? int64_t(a0.pages[bn]) * a0.page_stride : bn * block * a0.pos_stride) + hoff
+                                       : hoff;
+      const uintptr_t kn = reinterpret_cast<uintptr_t>(last ? a0.next_k : a0.k_base) + sizeof(T) * uintptr_t(offn);
+      const uintptr_t vn = reinterpret_cast<uintptr_t>(last ? a0.next_v : a0.v_base) + sizeof(T) * uintptr_t(offn);
       const int iters = G * ((n + 7) / 8);
       int it = 0;
       auto fetch_next = [&]() {

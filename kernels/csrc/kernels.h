@@ -132,6 +132,12 @@ struct AttnQuery {
   int64_t page_stride;   // paged: elements per page
   int64_t pos_stride;    // elements between consecutive positions
   int64_t pos;           // the query's position t; keys 0..t are valid
+  // The task the caller runs next, if any (paged; hints only): its first key block's K and V at
+  // its first KV head (the same stride between positions and heads), next_n positions long. The
+  // kernel fetches them while it computes its own last block, as it fetches each next block.
+  const void* next_k = nullptr;
+  const void* next_v = nullptr;
+  int64_t next_n = 0;
 };
 
 // Whether a linear task of `rows` rows with chunks of kc runs lane passes (linear_impl.h): from

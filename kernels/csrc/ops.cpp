@@ -363,6 +363,11 @@ at::Tensor attention_paged(const at::Tensor& q_, const at::Tensor& kc_, const at
       const int64_t i = task / nt, h = task % nt * th;
       AttnQuery a{qp + (i * Hq + h * G) * D, outp + (i * Hq + h * G) * D, kp + h * D * esz, vp + h * D * esz,
                   ptp + qsp[i] * maxp, B * Hkv * D, Hkv * D, qpp[i]};
+      if (task + 1 < en) {  // the next task's first block, fetched during this one's last (hints)
+        const int64_t i1 = (task + 1) / nt, h1 = (task + 1) % nt * th;
+        const int64_t first = (int64_t(ptp[qsp[i1] * maxp]) * B * Hkv + h1) * D * esz;
+        a.next_k = kp + first, a.next_v = vp + first, a.next_n = std::min<int64_t>(qpp[i1] + 1, B);
+      }
       kern->attention(a, int(th), int(G), int(D), int(B), kv, float(scale), scratch.get());
     }
   });
