@@ -200,6 +200,48 @@ def test_moe_combine_accuracy_gradients_and_layouts(dtype, gen):
         assert_close(a, e, dtype=dtype, scale=float(e.abs().max()), what=f"moe_combine d{name}")
 
 
+def _bf16_rne_bits(x32):
+    """fp32 values rounded to bf16 bits as the kernels round every output (round to nearest
+    even, every NaN 0x7fc0), in integer ops."""
+    b = x32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    return torch.where(x32.isnan(), torch.full_like(r, 0x7FC0), r)
+
+
+def test_moe_combine_rounds_hostile_sums_to_bf16_alike_on_every_build(gen):
+    """bf16 outputs of sums that are NaN (inf - inf), infinite, overflowing, subnormal or ties:
+    every build this CPU has (its vector store of eight roundings, the portable one's scalar
+    rounding) gives the bits of the documented rounding of the fp32 sum; torch's own conversion
+    of that sum keeps the x86 default NaN's sign (0xffc0), so it is not the rule."""
+    M, K, H = 21, 8, 2048 + 5            # a vector tail
+    y = torch.randn(M, K, H, generator=gen)
+    pick = torch.rand(M, K, H, generator=gen)
+    y = torch.where(pick < 0.01, torch.full_like(y, float("inf")), y)
+    y = torch.where((pick > 0.01) & (pick < 0.02), torch.full_like(y, float("-inf")), y)
+    y = torch.where((pick > 0.02) & (pick < 0.04), y * 3e38, y)
+    y = torch.where((pick > 0.04) & (pick < 0.07), y * 1e-39, y)
+    y = y.bfloat16()
+    w = torch.softmax(torch.randn(M, K, generator=gen), -1)
+    w[:, :2] = 1.0                       # columns 0-63: exact ties, 1 + 2^-8 and 1 + 3 * 2^-8
+    y[:, :, :64] = 0
+    y[:, 0, :32], y[:, 0, 32:64], y[:, 1, :64] = 1.0, 1.0 + 2 ** -7, 2 ** -8
+    sums = tk.moe_combine(w, y.float())  # the same chains in fp32 (bf16 loads widen exactly)
+    want = _bf16_rne_bits(sums)
+    assert int((sums.isnan() & (sums.view(torch.int32) < 0)).sum()) > 0, "no negative NaN sum drawn"
+    builds = [("native", None)] + ([("avx2", "TONP_FORCE_AVX2")] if _cpu_has_avx2_fma() else []) + \
+        [("portable", "TONP_FORCE_PORTABLE")]
+    for name, var in builds:
+        with env("TONP_FORCE_PORTABLE", None), env("TONP_FORCE_AVX2", None):
+            if var is None:
+                got = tk.moe_combine(w, y)
+            else:
+                with env(var, "1"):
+                    got = tk.moe_combine(w, y)
+        assert torch.equal(got.view(torch.int16).to(torch.int64) & 0xFFFF, want), f"{name} build"
+    stock = sums.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    assert not torch.equal(stock, want), "torch's conversion now rounds NaN as the kernels do"
+
+
 # --- the elementwise torch ops of the model ---------------------------------------------------
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)

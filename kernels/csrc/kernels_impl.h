@@ -260,12 +260,11 @@ static int64_t gumbel_argmax(const float* y, const int64_t* ids, int64_t n, uint
 // Token-owned MoE combine: out = sum over slots k in order of w_k * y_k, an fp32 FMA chain.
 static void moe_combine(const float* w, const void* y, void* out, int64_t K, int64_t H, Elem e) {
   int64_t h = 0;
-  float t[8];
   for (; h + 8 <= H; h += 8) {
     V8 acc = vzero();
     for (int64_t k = 0; k < K; ++k) acc = vfma(vset1(w[k]), loadv(y, k * H + h, e), acc);
-    vstore(t, acc);
-    for (int i = 0; i < 8; ++i) store1(out, h + i, t[i], e);
+    if (e == Elem::F32) vstore(static_cast<float*>(out) + h, acc);
+    else vstore_bf16(static_cast<uint16_t*>(out) + h, acc);
   }
   for (; h < H; ++h) {
     float acc = 0.f;

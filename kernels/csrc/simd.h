@@ -46,6 +46,15 @@ inline V8 vload(const uint16_t* p) {  // 8 bf16 -> fp32 (exact)
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a.v); }
+// Eight floats rounded to bf16 as f32_to_bf16 rounds each (the same integer steps, lane by lane).
+inline void vstore_bf16(uint16_t* p, V8 a) {
+  const __m256i b = _mm256_castps_si256(a.v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 inline V8 vadd(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V8 vsub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V8 vmul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -104,6 +113,7 @@ inline V8 vset1(float x) { V8 r; TONP_LANES r.v[i] = x; return r; }
 inline V8 vload(const float* p) { V8 r; TONP_LANES r.v[i] = p[i]; return r; }
 inline V8 vload(const uint16_t* p) { V8 r; TONP_LANES r.v[i] = bf16_to_f32(p[i]); return r; }
 inline void vstore(float* p, V8 a) { TONP_LANES p[i] = a.v[i]; }
+inline void vstore_bf16(uint16_t* p, V8 a) { TONP_LANES p[i] = f32_to_bf16(a.v[i]); }
 inline V8 vadd(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] + b.v[i]; return a; }
 inline V8 vsub(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] - b.v[i]; return a; }
 inline V8 vmul(V8 a, V8 b) { TONP_LANES a.v[i] = a.v[i] * b.v[i]; return a; }
